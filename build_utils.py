@@ -1,0 +1,248 @@
+"""Native build for muSPACE: one shared library from the `.mu` sources in `EXTENSION_SOURCES`.
+
+Used by `setup.py` (wheel / editable installs) and directly for development builds:
+
+    python build_utils.py --inplace [-j N]      # build into mu_space/_lib/
+    python build_utils.py --plan                # print what would be built and why
+
+Toolchain choice (first match wins):
+- `MUSPACE_NATIVE=0`            -> no native library (pure-Python install, reference backend)
+- `mcc` under `MUSA_HOME` (default /usr/local/musa)  -> MUSA build, `--offload-arch=mp_$MUSA_ARCH`
+- `nvcc` (CUDA_HOME/bin or PATH)                     -> CUDA build, `.mu` compiled with `-x cu`;
+  arch from `CUDA_ARCH` ("90a", "80;90a" or "80,90a"), else the visible GPU's, else
+  `DEFAULT_CUDA_ARCHS` (+ PTX of the newest for forward compatibility)
+- neither                        -> no native library, with one line saying why.
+A failed compile when a toolchain is present raises: it is never silently skipped.
+
+The library links against libtvm_ffi from the `apache-tvm-ffi` package (not bundled); that
+package is loaded first at run time, so the loader resolves it by soname.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+
+# The one list of native sources. Every `.mu` under csrc/ is listed here or in
+# EXCLUDED_SOURCES (with the reason); tests/test_build_sources.py enforces it.
+EXTENSION_SOURCES = [
+    "csrc/ffi/muspace_ops.mu",
+]
+EXCLUDED_SOURCES: dict[str, str] = {}
+
+LIBRARY_FILE = "libmuspace_native.so"
+BUILD_INFO_FILE = "build_info.json"
+PACKAGE_LIB_DIR = Path("mu_space") / "_lib"
+
+# Ampere, Ada, Hopper. sm_90a SASS uses Hopper-only instructions; compute_90 PTX lets newer
+# GPUs JIT-compile the library.
+DEFAULT_CUDA_ARCHS = ["80", "86", "89", "90a"]
+DEFAULT_MUSA_ARCH = "22"
+
+
+@dataclass
+class Toolchain:
+    backend: str  # "cuda" | "musa"
+    compiler: str
+    archs: list[str]
+    arch_source: str  # where the arch list came from
+    version: str = ""
+
+
+@dataclass
+class BuildPlan:
+    toolchain: Toolchain | None
+    skip_reason: str = ""
+    sources: list[str] = field(default_factory=lambda: list(EXTENSION_SOURCES))
+
+
+def _run_text(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _parse_arch_list(text: str) -> list[str]:
+    return [a.strip() for a in text.replace(",", ";").split(";") if a.strip()]
+
+
+def _visible_cuda_archs() -> list[str]:
+    """Compute capabilities of the visible GPUs ("9.0" -> "90a" on Hopper, else "86")."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    out = _run_text(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"])
+    archs = []
+    for line in out.split():
+        major, _, minor = line.strip().partition(".")
+        if major.isdigit() and minor.isdigit():
+            arch = major + minor + ("a" if major == "9" else "")
+            if arch not in archs:
+                archs.append(arch)
+    return archs
+
+
+def _find_nvcc(env) -> str | None:
+    cuda_home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc", path=env.get("PATH", os.defpath))
+
+
+def detect_toolchain(env=None) -> BuildPlan:
+    env = os.environ if env is None else env
+    if env.get("MUSPACE_NATIVE", "1") == "0":
+        return BuildPlan(None, "MUSPACE_NATIVE=0 was set")
+    musa_home = Path(env.get("MUSA_HOME", "/usr/local/musa"))
+    mcc = musa_home / "bin" / "mcc"
+    if mcc.exists():
+        arch = env.get("MUSA_ARCH", "")
+        source = "MUSA_ARCH" if arch else f"default mp_{DEFAULT_MUSA_ARCH}"
+        version = _run_text([str(mcc), "--version"]).strip().splitlines()[:1]
+        return BuildPlan(Toolchain("musa", str(mcc), [arch or DEFAULT_MUSA_ARCH], source,
+                                   version[0] if version else ""))
+    nvcc = _find_nvcc(env)
+    if nvcc:
+        if env.get("CUDA_ARCH"):
+            archs, source = _parse_arch_list(env["CUDA_ARCH"]), "CUDA_ARCH"
+        elif (visible := _visible_cuda_archs()):
+            archs, source = visible, "visible GPU"
+        else:
+            archs, source = list(DEFAULT_CUDA_ARCHS), "default list (no CUDA_ARCH, no visible GPU)"
+        version = [l for l in _run_text([nvcc, "--version"]).splitlines() if "release" in l]
+        return BuildPlan(Toolchain("cuda", nvcc, archs, source, version[0].strip() if version else ""))
+    return BuildPlan(None, f"no GPU toolchain found (no mcc under MUSA_HOME={musa_home}, "
+                           "no nvcc on PATH or under CUDA_HOME)")
+
+
+def _tvm_ffi_paths() -> tuple[list[str], str, str]:
+    import tvm_ffi.libinfo as libinfo
+
+    includes = [libinfo.find_include_path(), libinfo.find_dlpack_include_path()]
+    lib_dir = str(Path(libinfo.find_libtvm_ffi()).parent)
+    from tvm_ffi import __version__ as tvm_ffi_version
+
+    return includes, lib_dir, tvm_ffi_version
+
+
+def _cuda_arch_flags(archs: list[str]) -> list[str]:
+    flags = []
+    for arch in archs:
+        flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    newest_portable = max((a for a in archs if a.isdigit()), key=int, default=None)
+    if newest_portable is None:  # only "a" targets: PTX of the plain family still helps
+        newest_portable = archs[-1].rstrip("a")
+    flags += ["-gencode", f"arch=compute_{newest_portable},code=compute_{newest_portable}"]
+    return flags
+
+
+def compile_command(tc: Toolchain, source: Path, obj: Path, includes: list[str]) -> list[str]:
+    inc = [f"-I{ROOT / 'csrc' / 'ffi'}"] + [f"-I{p}" for p in includes]
+    if tc.backend == "cuda":
+        return [tc.compiler, "-x", "cu", "-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC",
+                "--expt-relaxed-constexpr", "-DMUSPACE_BUILD_CUDA", *_cuda_arch_flags(tc.archs),
+                *inc, "-c", str(source), "-o", str(obj)]
+    arch = tc.archs[0]
+    return [tc.compiler, "-x", "musa", "-std=c++17", "-O3", "-fPIC", f"--offload-arch=mp_{arch}",
+            "-DMUSPACE_BUILD_MUSA", f"-DMUSPACE_MUSA_ARCH={arch}", *inc, "-c", str(source),
+            "-o", str(obj)]
+
+
+def link_command(tc: Toolchain, objs: list[Path], out: Path, tvm_lib_dir: str) -> list[str]:
+    common = [*map(str, objs), "-o", str(out), f"-L{tvm_lib_dir}", "-ltvm_ffi"]
+    if tc.backend == "cuda":  # nvcc links the CUDA runtime statically by default
+        return [tc.compiler, "-shared", *_cuda_arch_flags(tc.archs), *common]
+    musa_lib = Path(tc.compiler).parent.parent / "lib"
+    return [tc.compiler, "-shared", f"-L{musa_lib}", "-lmusart", f"-Wl,-rpath,{musa_lib}", *common]
+
+
+def _run_checked(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"mu_space native build: {what} failed (exit {proc.returncode})\n"
+                           f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+
+
+def build(plan: BuildPlan, out_dir: Path, jobs: int | None = None, verbose: bool = False) -> Path:
+    """Compile every source in parallel, link one library into `out_dir`, write build_info."""
+    tc = plan.toolchain
+    if tc is None:
+        raise RuntimeError(f"no native build possible: {plan.skip_reason}")
+    includes, tvm_lib_dir, tvm_ffi_version = _tvm_ffi_paths()
+    out_dir = Path(out_dir)
+    obj_dir = ROOT / "build" / f"native-{tc.backend}-{'_'.join(tc.archs)}"
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = jobs or int(os.environ.get("MAX_JOBS", 0)) or os.cpu_count() or 1
+    started = time.time()
+
+    def compile_one(src: str) -> Path:
+        obj = obj_dir / (src.replace("/", "__") + ".o")
+        cmd = compile_command(tc, ROOT / src, obj, includes)
+        if verbose:
+            print("$", " ".join(cmd), flush=True)
+        _run_checked(cmd, f"compiling {src}")
+        return obj
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        objs = list(pool.map(compile_one, plan.sources))
+    library = out_dir / LIBRARY_FILE
+    _run_checked(link_command(tc, objs, library, tvm_lib_dir), "linking")
+    info = {
+        "backend": tc.backend,
+        "archs": tc.archs,
+        "arch_source": tc.arch_source,
+        "compiler": tc.compiler,
+        "compiler_version": tc.version,
+        "tvm_ffi_version": tvm_ffi_version,
+        "sources": plan.sources,
+        "build_seconds": round(time.time() - started, 1),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (out_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    print(f"mu_space: built {library} for {tc.backend} {','.join(tc.archs)} "
+          f"in {info['build_seconds']} s", flush=True)
+    return library
+
+
+def describe(plan: BuildPlan) -> str:
+    if plan.toolchain is None:
+        return f"mu_space: building without the native library: {plan.skip_reason}"
+    tc = plan.toolchain
+    return (f"mu_space: native {tc.backend} build with {tc.compiler} for "
+            f"{','.join(tc.archs)} ({tc.arch_source}), {len(plan.sources)} sources")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Build the muSPACE native library.")
+    parser.add_argument("--inplace", action="store_true", help="build into mu_space/_lib/")
+    parser.add_argument("--out", type=Path, help="output directory")
+    parser.add_argument("-j", "--jobs", type=int, default=None)
+    parser.add_argument("--plan", action="store_true", help="print the plan and exit")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    plan = detect_toolchain()
+    print(describe(plan))
+    if args.plan:
+        print(json.dumps({"toolchain": asdict(plan.toolchain) if plan.toolchain else None,
+                          "skip_reason": plan.skip_reason, "sources": plan.sources}, indent=2))
+        return 0
+    if plan.toolchain is None:
+        return 1
+    out = args.out or (ROOT / PACKAGE_LIB_DIR if args.inplace else ROOT / "build" / "lib")
+    build(plan, out, jobs=args.jobs, verbose=args.verbose)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from mu_space.selfcheck import main
+
+sys.exit(main())

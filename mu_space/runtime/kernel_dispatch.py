@@ -1,0 +1,102 @@
+"""Backend choice and dispatch records (DESIGN.md §5).
+
+    backend="auto"       native when the library is built for the tensors' device and the inputs
+                         are supported; otherwise the reference path, with the reason recorded
+    backend="native"     the device's native kernel, or DispatchError
+    backend="cuda"/"musa" the same, and the tensors must be on that device type
+    backend="reference"  always the PyTorch path
+
+`MUSPACE_STRICT=1` (or `set_strict(True)`) turns every auto fallback into a DispatchError.
+Every call is counted per (op, backend, reason): `report()` prints the table, `reset()` clears
+it, `MUSPACE_DISPATCH_LOG=1` also logs each decision. Recording is one dict update.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from mu_space.runtime import native
+
+BACKENDS = ("auto", "native", "cuda", "musa", "reference")
+REFERENCE = "reference"
+
+_log = logging.getLogger("mu_space.dispatch")
+_counts: dict[tuple[str, str, str], int] = {}
+_strict = os.environ.get("MUSPACE_STRICT", "0") not in ("", "0")
+_log_enabled = os.environ.get("MUSPACE_DISPATCH_LOG", "0") not in ("", "0")
+
+
+class DispatchError(RuntimeError):
+    """The requested backend cannot run these inputs (or strict mode forbids a fallback)."""
+
+
+def set_strict(enabled: bool) -> None:
+    global _strict
+    _strict = bool(enabled)
+
+
+def is_strict() -> bool:
+    return _strict
+
+
+def set_logging(enabled: bool) -> None:
+    global _log_enabled
+    _log_enabled = bool(enabled)
+
+
+def record(op: str, backend: str, reason: str) -> None:
+    key = (op, backend, reason)
+    _counts[key] = _counts.get(key, 0) + 1
+    if _log_enabled:
+        _log.info("%s -> %s (%s)", op, backend, reason)
+
+
+def use_native(op: str, backend: str, device: torch.device, unsupported: str | None = None) -> bool:
+    """Decide native (True) or reference (False) for one call, and record the decision.
+
+    `unsupported`: why these particular inputs cannot take the native path (e.g. a dtype the
+    kernel lacks), or None.
+    """
+    if backend == REFERENCE:
+        record(op, REFERENCE, "requested")
+        return False
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend in ("cuda", "musa") and device.type != backend:
+        raise DispatchError(f"{op}: backend={backend!r} needs {backend} tensors, got {device}")
+    reason = native.unavailable_reason(device) or unsupported
+    if reason is None:
+        record(op, device.type, "native")
+        return True
+    if backend != "auto":
+        raise DispatchError(f"{op}: backend={backend!r} unavailable: {reason}")
+    if _strict:
+        raise DispatchError(f"{op}: strict mode forbids the reference fallback: {reason}")
+    record(op, REFERENCE, reason)
+    return False
+
+
+def records() -> list[dict]:
+    return [{"op": op, "backend": backend, "reason": reason, "calls": calls}
+            for (op, backend, reason), calls in sorted(_counts.items())]
+
+
+def reset() -> None:
+    _counts.clear()
+
+
+def report() -> str:
+    """The dispatch records as a text table."""
+    rows = records()
+    if not rows:
+        return "dispatch report: no operator calls recorded"
+    header = ("op", "backend", "calls", "reason")
+    table = [header] + [(r["op"], r["backend"], str(r["calls"]), r["reason"]) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3]
+             for row in table]
+    lines.insert(1, "-" * len(lines[0]))
+    return "dispatch report:\n" + "\n".join(lines)

@@ -1,0 +1,170 @@
+"""`python -m mu_space` / `mu-space`: environment, operator table, self-check, dispatch report.
+
+Runs every registered operator on the best available device: native vs reference where the
+native kernel can run, the reference alone otherwise. Exit status 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import traceback
+
+import torch
+
+import mu_space
+from mu_space.runtime import kernel_dispatch, native, registry
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if hasattr(torch, "musa") and torch.musa.is_available():
+        return torch.device("musa", torch.musa.current_device())
+    return torch.device("cpu")
+
+
+def environment(device: torch.device) -> dict:
+    st = native.status()
+    env = {
+        "mu_space": mu_space.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "native_built": st.built,
+        "native_loaded": st.loaded,
+        "native_backend": st.backend,
+        "native_archs": st.archs,
+        "tvm_ffi_built_against": st.tvm_ffi_built,
+        "tvm_ffi_runtime": st.tvm_ffi_runtime,
+        "native_library": st.path,
+        "native_unavailable_reason": st.reason or None,
+        "native_usable_on_device": native.unavailable_reason(device) is None,
+        "native_device_reason": native.unavailable_reason(device),
+        "strict": kernel_dispatch.is_strict(),
+    }
+    return env
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.numel() == 0:
+        return 0.0
+    return (got.double() - want.double()).abs().max().item()
+
+
+def _compare(name: str, got, want, atol: float, rtol: float) -> float:
+    worst = 0.0
+    for i, (g, w) in enumerate(zip(_as_tuple(got), _as_tuple(want))):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            raise AssertionError(f"{name}[{i}]: {g.dtype}{list(g.shape)} vs reference "
+                                 f"{w.dtype}{list(w.shape)}")
+        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, equal_nan=False,
+                                   msg=lambda m: f"{name}[{i}] differs from reference: {m}")
+        worst = max(worst, _max_error(g, w))
+    return worst
+
+
+def _grads(spec, case, backend):
+    args = [a.detach().clone().requires_grad_(True)
+            if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.args]
+    out = spec.api(*args, **case.kwargs, backend=backend)
+    outs = _as_tuple(out)
+    torch.manual_seed(0)
+    weights = [torch.randn_like(o) for o in outs]
+    torch.autograd.backward(outs, weights)
+    return tuple(a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
+
+
+def run_case(spec, case, device) -> dict:
+    native_ok = native.unavailable_reason(device) is None
+    backend = "auto" if native_ok or kernel_dispatch.is_strict() else "reference"
+    row = {"op": spec.name, "case": case.label, "backend": backend}
+    try:
+        want = spec.api(*case.args, **case.kwargs, backend="reference")
+        got = spec.api(*case.args, **case.kwargs, backend=backend)
+        row["max_abs_err"] = _compare("output", got, want, case.atol, case.rtol)
+        if case.backward:
+            err = _compare("grad", _grads(spec, case, backend), _grads(spec, case, "reference"),
+                           case.atol, case.rtol)
+            row["max_abs_err"] = max(row["max_abs_err"], err)
+        row["status"] = "PASS"
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, then the run goes on
+        row["status"] = "FAIL"
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        row["traceback"] = traceback.format_exc()
+    return row
+
+
+def operator_table(device: torch.device) -> list[dict]:
+    reason = native.unavailable_reason(device)
+    return [{
+        "op": s.name, "family": s.family, "dtypes": list(s.dtypes),
+        "native_entry_points": {e: native.has_function(e) for e in s.native_entry_points},
+        "auto_backend_here": device.type if reason is None else "reference",
+    } for s in registry.operators()]
+
+
+def _print_text(env, table, rows) -> None:
+    print("muSPACE self-check")
+    for key, value in env.items():
+        print(f"  {key:28s} {value}")
+    print("\noperators on this machine:")
+    for t in table:
+        entries = ", ".join(f"{e}{'' if ok else ' (missing)'}" for e, ok in t["native_entry_points"].items())
+        print(f"  {t['op']:20s} {t['family']:10s} auto -> {t['auto_backend_here']:9s} [{entries}]")
+    print("\nself-check (native vs reference where native runs):")
+    for r in rows:
+        err = f"max|err|={r['max_abs_err']:.3g}" if "max_abs_err" in r else r.get("error", "")
+        print(f"  {r['status']}  {r['op']:20s} {r['case']:32s} {r['backend']:9s} {err}")
+    print()
+    print(kernel_dispatch.report())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="mu-space", description=__doc__.splitlines()[0])
+    parser.add_argument("--strict", action="store_true", help="any auto fallback is a failure")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--device", help="device to check (default: first GPU, else cpu)")
+    parser.add_argument("--operator-matrix", action="store_true",
+                        help="print docs/operator_matrix.md generated from the registry and exit")
+    args = parser.parse_args(argv)
+    if args.operator_matrix:
+        sys.stdout.write(registry.operator_matrix_markdown())
+        return 0
+    if args.strict:
+        kernel_dispatch.set_strict(True)
+    device = torch.device(args.device) if args.device else _default_device()
+    kernel_dispatch.reset()
+    env = environment(device)
+    table = operator_table(device)
+    torch.manual_seed(0)
+    rows = [run_case(spec, case, device)
+            for spec in registry.operators() for case in spec.self_check_cases(device)]
+    failed = [r for r in rows if r["status"] != "PASS"]
+    if args.strict and not env["native_usable_on_device"]:
+        failed.append({"op": "*", "error": f"strict: native unavailable: {env['native_device_reason']}"})
+    if args.json:
+        print(json.dumps({"environment": env, "operators": table, "results": rows,
+                          "dispatch": kernel_dispatch.records(), "ok": not failed}, indent=2))
+    else:
+        _print_text(env, table, rows)
+        for r in failed:
+            if "traceback" in r:
+                print(f"\n{r['op']} / {r['case']} failed:\n{r['traceback']}", file=sys.stderr)
+        print(f"\nself-check: {len(rows) - len([r for r in failed if 'case' in r])}/{len(rows)} "
+              f"cases passed{'; FAILED' if failed else ''}")
+        if args.strict and not env["native_usable_on_device"]:
+            print(f"strict: native kernels unavailable: {env['native_device_reason']}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+import pytest
+import torch
+
+from mu_space.runtime import kernel_dispatch
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch_state():
+    """Each test starts with empty dispatch records, non-strict mode and a fixed seed."""
+    kernel_dispatch.reset()
+    strict = kernel_dispatch.is_strict()
+    kernel_dispatch.set_strict(False)
+    torch.manual_seed(1234)
+    yield
+    kernel_dispatch.set_strict(strict)

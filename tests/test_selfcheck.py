@@ -1,0 +1,49 @@
+"""`python -m mu_space` and the generated operator matrix."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from mu_space import selfcheck
+from mu_space.runtime import registry
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_selfcheck_json_passes(capsys):
+    assert selfcheck.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True
+    assert {r["op"] for r in report["results"]} == {s.name for s in registry.operators()}
+    assert report["environment"]["torch"] == torch.__version__
+    assert report["dispatch"], "the self-check must leave dispatch records"
+
+
+def test_selfcheck_strict_fails_where_native_cannot_run(capsys):
+    if not torch.cuda.is_available():
+        assert selfcheck.main(["--strict", "--json", "--device", "cpu"]) == 1
+        assert json.loads(capsys.readouterr().out)["ok"] is False
+
+
+def test_selfcheck_reports_a_wrong_result(monkeypatch, capsys):
+    spec = registry.get("add_one")
+    monkeypatch.setattr(spec, "api", lambda x, backend: x + (1 if backend == "reference" else 2))
+    monkeypatch.setattr(selfcheck.native, "unavailable_reason", lambda device: None)
+    assert selfcheck.main(["--device", "cpu"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_module_entry_point_runs():
+    proc = subprocess.run([sys.executable, "-m", "mu_space"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dispatch report" in proc.stdout and "native_built" in proc.stdout
+
+
+def test_operator_matrix_doc_matches_registry():
+    doc = (ROOT / "docs" / "operator_matrix.md").read_text()
+    assert doc == registry.operator_matrix_markdown(), \
+        "docs/operator_matrix.md is stale: run `python -m mu_space --operator-matrix > docs/operator_matrix.md`"
