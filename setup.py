@@ -6,6 +6,7 @@ line saying why. A failed compile with a toolchain present fails the install.
 """
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,13 +32,14 @@ class BuildPyWithNative(build_py):
     def run(self):
         super().run()
         print(build_utils.describe(PLAN), flush=True)
-        if PLAN.toolchain is None:
-            return
         if self.editable_mode:
             out = Path(__file__).resolve().parent / build_utils.PACKAGE_LIB_DIR
         else:
             out = Path(self.build_lib) / build_utils.PACKAGE_LIB_DIR
-        build_utils.build(PLAN, out, jobs=int(os.environ.get("MAX_JOBS", 0)) or None)
+            # A development build in the source tree must not leak into the wheel.
+            shutil.rmtree(out, ignore_errors=True)
+        if PLAN.toolchain is not None:
+            build_utils.build(PLAN, out, jobs=int(os.environ.get("MAX_JOBS", 0)) or None)
 
 
 class NativeDistribution(Distribution):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -409,6 +410,10 @@ def _command_output(cmd: list[str]) -> str | None:
 
 
 def git_commit() -> str | None:
+    """HEAD (+ "-dirty"); on a machine whose copy of the tree has no .git (the GPU machine),
+    the commit is passed in MUSPACE_GIT_COMMIT."""
+    if os.environ.get("MUSPACE_GIT_COMMIT"):
+        return os.environ["MUSPACE_GIT_COMMIT"]
     commit = _command_output(["git", "rev-parse", "--short", "HEAD"])
     if commit and _command_output(["git", "status", "--porcelain"]):
         commit += "-dirty"
