@@ -1,0 +1,183 @@
+"""Run-time patching of upstream model code (mmcv, mmdet3d, BEVDet, BEVFusion) with muSPACE ops.
+
+A `Patch` is data: the dotted path of the upstream object, a function that builds the
+replacement from the original, optional aliases (the same object re-exported elsewhere) and an
+optional precheck. A `Patcher` applies patches, restores the originals, works as a context
+manager and reports what was applied or skipped, and why. Patching an upstream that is not
+installed is a clean skip, never an ImportError.
+
+Besides the listed aliases, `apply()` also rebinds module globals that already hold the original
+object (`from mmdet3d.ops import bev_pool_v2` executed before patching), so the order of imports
+does not matter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class Patch:
+    name: str
+    target: str  # dotted path: "package.module.Attribute" or "package.module.Class.method"
+    make_replacement: Callable[[Any], Any]  # original -> replacement
+    aliases: tuple[str, ...] = ()
+    precheck: Callable[[Any], str | None] | None = None  # original -> reason to skip, or None
+    enabled: bool = True
+    description: str = ""
+
+
+@dataclass
+class PatchResult:
+    name: str
+    status: str  # "applied" | "skipped" | "disabled"
+    reason: str = ""
+    targets: list[str] = field(default_factory=list)
+
+
+class PatchTargetMissing(LookupError):
+    pass
+
+
+def resolve(path: str) -> tuple[Any, str, Any]:
+    """(owner, attribute name, current value) for a dotted path; imports the longest module
+    prefix. Raises PatchTargetMissing with the reason when the module or attribute is absent."""
+    parts = path.split(".")
+    owner, error = None, None
+    for split in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:split])
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError as exc:
+            error = error or exc
+            continue
+        for attr in parts[split:-1]:
+            if not hasattr(owner, attr):
+                raise PatchTargetMissing(f"{module_name} has no attribute path {'.'.join(parts[split:])}")
+            owner = getattr(owner, attr)
+        break
+    if owner is None:
+        raise PatchTargetMissing(f"module for {path} not importable: {error}")
+    if not hasattr(owner, parts[-1]):
+        raise PatchTargetMissing(f"{path} does not exist (attribute {parts[-1]!r} missing)")
+    return owner, parts[-1], getattr(owner, parts[-1])
+
+
+class Patcher:
+    def __init__(self, patches=(), *, rebind_loaded_modules: bool = True):
+        self._patches: dict[str, Patch] = {}
+        self._saved: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) in apply order
+        self._results: list[PatchResult] = []
+        self.rebind_loaded_modules = rebind_loaded_modules
+        for patch in patches:
+            self.add(patch)
+
+    # ------------------------------------------------------------------ configuration
+    def add(self, patch: Patch) -> Patcher:
+        if patch.name in self._patches:
+            raise ValueError(f"a patch named {patch.name!r} is already registered")
+        self._patches[patch.name] = patch
+        return self
+
+    def _named(self, name: str) -> Patch:
+        try:
+            return self._patches[name]
+        except KeyError:
+            raise KeyError(f"no patch named {name!r}; known: {sorted(self._patches)}") from None
+
+    def disable(self, name: str) -> Patcher:
+        self._named(name).enabled = False
+        return self
+
+    def enable(self, name: str) -> Patcher:
+        self._named(name).enabled = True
+        return self
+
+    @property
+    def patches(self) -> list[Patch]:
+        return list(self._patches.values())
+
+    @property
+    def applied(self) -> bool:
+        return bool(self._saved)
+
+    # ------------------------------------------------------------------ apply / restore
+    def apply(self) -> list[PatchResult]:
+        if self._saved:
+            raise RuntimeError("patches already applied; restore() first")
+        self._results = [self._apply_one(p) for p in self._patches.values()]
+        return list(self._results)
+
+    def _set(self, owner: Any, attr: str, value: Any, original: Any) -> None:
+        if isinstance(owner, type):  # keep staticmethod/classmethod wrappers for restore()
+            original = owner.__dict__.get(attr, original)
+        self._saved.append((owner, attr, original))
+        setattr(owner, attr, value)
+
+    def _apply_one(self, patch: Patch) -> PatchResult:
+        if not patch.enabled:
+            return PatchResult(patch.name, "disabled", "disabled by the user")
+        try:
+            owner, attr, original = resolve(patch.target)
+        except PatchTargetMissing as exc:
+            return PatchResult(patch.name, "skipped", str(exc))
+        if patch.precheck is not None:
+            reason = patch.precheck(original)
+            if reason:
+                return PatchResult(patch.name, "skipped", f"precheck failed: {reason}")
+        replacement = patch.make_replacement(original)
+        targets = [patch.target]
+        self._set(owner, attr, replacement, original)
+        for alias in patch.aliases:
+            try:
+                a_owner, a_attr, current = resolve(alias)
+            except PatchTargetMissing:
+                continue  # an alias of an optional submodule may be absent
+            if current is original:
+                self._set(a_owner, a_attr, replacement, original)
+                targets.append(alias)
+        if self.rebind_loaded_modules:
+            targets += self._rebind_module_globals(original, replacement)
+        return PatchResult(patch.name, "applied", "", targets)
+
+    def _rebind_module_globals(self, original: Any, replacement: Any) -> list[str]:
+        rebound = []
+        for module_name, module in list(sys.modules.items()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict) or module_name.startswith("mu_space"):
+                continue
+            for attr, value in list(namespace.items()):
+                if value is original:
+                    self._set(module, attr, replacement, original)
+                    rebound.append(f"{module_name}.{attr}")
+        return rebound
+
+    def restore(self) -> None:
+        """Put every original back (in reverse order of patching)."""
+        while self._saved:
+            owner, attr, original = self._saved.pop()
+            setattr(owner, attr, original)
+
+    def __enter__(self) -> Patcher:
+        self.apply()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    # ------------------------------------------------------------------ reporting
+    def results(self) -> list[PatchResult]:
+        return list(self._results)
+
+    def report(self) -> str:
+        if not self._results:
+            return "patcher: nothing applied yet"
+        width = max(len(r.name) for r in self._results)
+        lines = ["patcher report:"]
+        for r in self._results:
+            detail = ", ".join(r.targets) if r.status == "applied" else r.reason
+            lines.append(f"  {r.name.ljust(width)}  {r.status:8s} {detail}")
+        return "\n".join(lines)
