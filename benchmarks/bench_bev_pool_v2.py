@@ -1,0 +1,160 @@
+"""bev_pool_v2 (BEVDet API) at the BEVDet configs, forward and backward, plus a size sweep.
+
+    python -m benchmarks.bench_bev_pool_v2 [--quick] [--cases REGEX] [--no-flush] [--graph] [--no-write]
+
+Configs (B = 1, 6 cameras, 16x44 features, 128x128x1 grid of 0.8 m cells, real frustum geometry
+from mu_space.testing.bev_geometry, ranks from the reference bev_pool_prepare, sorted):
+bevdet-r50 (D 59, C 64, 177k points), bevdet-r50-d88 (D 88, C 80), bevdet-d118 (D 118, C 80);
+float32, float16 and bfloat16.
+
+- forward: `bev_pool_v2(..., backend="native")` (one kernel; allocates the output).
+- backward: everything the default backward does (zeroed grad_depth and float32 grad_feat
+  buffers, the kernel, the cast for 16-bit dtypes): the op's backward implementation called
+  directly with a fixed grad_out. `-det` cases: the deterministic mode (adds
+  sort_by_cell(ranks_feat), which synchronises with the host once, a channels-last copy of
+  grad_out and the sorted kernel).
+- sweep (float32, forward and backward): the bevdet-r50 rig scaled by cameras, depth bins and
+  batch, ~10k to ~5.6M points (params.sweep = "n_points").
+
+Compulsory bytes. forward: depth + feat + 3 int32 ranks per point + output (the kernel does not
+read the interval arrays). backward: grad_out + depth + feat + 3 int32 ranks per point +
+grad_depth + grad_feat. The reference is the vectorised PyTorch path (`backend="reference"`,
+gather + index_add; its backward computed directly, not through autograd).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from benchmarks import harness
+from benchmarks.harness import Case, common_argparser
+from mu_space.ops.bev_pool_prepare import bev_pool_prepare_reference
+from mu_space.testing import bev_geometry
+
+CONFIGS = ("bevdet-r50", "bevdet-r50-d88", "bevdet-d118")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Check tolerances (atol, rtol): float32 sums in another order; 16-bit: one output rounding.
+CHECK_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 2e-3),
+             torch.bfloat16: (1e-2, 1.6e-2)}
+# (cameras, depth step in metres, batch) of the sweep, on the bevdet-r50 rig.
+SWEEP = ((1, 3.0, 1), (2, 2.0, 1), (6, 2.0, 1), (6, 1.0, 1), (6, 0.5, 2), (6, 0.5, 4),
+         (6, 0.25, 4), (6, 0.25, 8))
+QUICK_SWEEP = ((1, 3.0, 1), (6, 1.0, 1))
+
+_cache: dict = {}
+
+
+def _module():
+    return sys.modules["mu_space.ops.bev_pool_v2"]
+
+
+def inputs(cfg, dtype: torch.dtype) -> tuple:
+    """(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape, starts, lengths)."""
+    key = (cfg, dtype)
+    if key not in _cache:
+        device = harness.default_device()
+        g = bev_geometry.make(cfg, dtype=dtype)
+        r = bev_pool_prepare_reference(g["coor"].to(device), g["grid_lower_bound"],
+                                       g["grid_interval"], g["grid_size"])
+        _cache[key] = (g["depth"].to(device), g["feat"].to(device),
+                       *r.bev_pool_v2_args(g["bev_feat_shape"]))
+    return _cache[key]
+
+
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _check(dtype):
+    atol, rtol = CHECK_TOL[dtype]
+
+    def check(out, ref):
+        outs = out if isinstance(out, tuple) else (out,)
+        refs = ref if isinstance(ref, tuple) else (ref,)
+        for o, r in zip(outs, refs):
+            torch.testing.assert_close(o, r, atol=atol, rtol=rtol)
+
+    return check
+
+
+def cases_for(name: str, args: tuple, dtype: torch.dtype, params: dict,
+              deterministic_backward: bool = True) -> list[Case]:
+    from mu_space.ops.bev_pool_v2 import bev_pool_v2, bev_pool_v2_backward_reference
+
+    m = _module()
+    depth, feat, rd, rf, rb, shape, starts, lengths = args
+    B, Z, Y, X, C = shape
+    es = feat.element_size()
+    n = int(rb.shape[0])
+    params = {**params, "n_points": n, "n_intervals": int(starts.shape[0]), "C": C,
+              "bev_feat_shape": list(shape), "depth_shape": list(depth.shape)}
+    ranks_bytes = 3 * 4 * n
+    out_bytes = B * Z * Y * X * C * es
+    in_bytes = _nbytes(depth) + _nbytes(feat)
+    dt = harness.dtype_name(dtype)
+    grad = torch.randn((B, C, Z, Y, X), device=feat.device).to(dtype)
+
+    def backward(deterministic):
+        return lambda g: m._backward(g, depth, feat, rd, rf, rb, shape, starts, lengths, True,
+                                     True, deterministic, "native")
+
+    cases = [
+        Case(name=f"{name}-forward-{dt}", op="bev_pool_v2", direction="forward", dtype=dtype,
+             params=params, compulsory_bytes=in_bytes + ranks_bytes + out_bytes,
+             fn=lambda: bev_pool_v2(*args, backend="native"), make_args=lambda: (),
+             reference=lambda: bev_pool_v2(*args, backend="reference"), check=_check(dtype)),
+        Case(name=f"{name}-backward-{dt}", op="bev_pool_v2", direction="backward", dtype=dtype,
+             params={**params, "mode": "default (float32 atomics for grad_feat)"},
+             compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
+             fn=backward(False), make_args=lambda: grad,
+             reference=lambda g: bev_pool_v2_backward_reference(g, *args), check=_check(dtype)),
+    ]
+    if deterministic_backward:
+        cases.append(Case(
+            name=f"{name}-backward-det-{dt}", op="bev_pool_v2", direction="backward", dtype=dtype,
+            params={**params, "mode": "deterministic (sort_by_cell + sorted kernel; 1 host sync)"},
+            compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
+            fn=backward(True), make_args=lambda: grad,
+            reference=lambda g: bev_pool_v2_backward_reference(g, *args), check=_check(dtype),
+            time_reference=False))
+    return cases
+
+
+def sweep_config(cameras: int, step: float, batch: int) -> bev_geometry.BEVConfig:
+    base = bev_geometry.CONFIGS["bevdet-r50"]
+    return bev_geometry.BEVConfig(f"bevdet-r50-cam{cameras}-step{step:g}-b{batch}", batch=batch,
+                                  cameras=cameras, depth=(1.0, 60.0, step),
+                                  channels=base.channels)
+
+
+def build_cases(quick: bool, graph: bool = False) -> list[Case]:
+    cases = []
+    for cfg in (CONFIGS[:1] if quick else CONFIGS):
+        for dtype in ((torch.float32,) if quick else DTYPES):
+            # the deterministic backward synchronises with the host: not graph-capturable
+            cases += cases_for(cfg, inputs(cfg, dtype), dtype, {"config": cfg},
+                               deterministic_backward=not graph)
+    for cameras, step, batch in (QUICK_SWEEP if quick else SWEEP):
+        cfg = sweep_config(cameras, step, batch)
+        args = inputs(cfg, torch.float32)
+        params = {"sweep": "n_points", "config": cfg.name, "cameras": cameras,
+                  "depth_step": step, "batch": batch}
+        cases += cases_for(f"sweep-{cfg.name}", args, torch.float32, params,
+                           deterministic_backward=False)
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = common_argparser(__doc__.splitlines()[0]).parse_args(argv)
+    if harness.default_device().type != "cuda":
+        print("bench_bev_pool_v2 needs a CUDA GPU with the native library", file=sys.stderr)
+        return 1
+    import mu_space.ops  # noqa: F401  (registers the op; _module() needs it loaded)
+
+    return harness.run_benchmark("bev_pool_v2", build_cases(args.quick, args.graph), args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

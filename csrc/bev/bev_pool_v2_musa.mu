@@ -1,0 +1,1121 @@
+// bev_pool_v2: BEVDet's camera-to-BEV pooling, forward and backward, for MUSA and CUDA.
+//
+//   out[b, c, z, y, x] = sum over points i with ranks_bev[i] == ((b*Z + z)*Y + y)*X + x of
+//                        depth.flat[ranks_depth[i]] * feat.flat[ranks_feat[i]*C + c]
+//
+// depth [B,N,D,H,W] and feat [...,C] (channels last) in float32 / float16 / bfloat16, ranks int32
+// sorted by ranks_bev, out [B,C,Z,Y,X] (channels first) in the input dtype; float32 accumulation.
+// Without depth (depth / ranks_depth absent) every weight is 1 (BEVFusion's bev_pool, bev_pool_v3).
+// The long form of the design is docs/operators/bev_pool_v2.md; in short:
+//
+// Forward (one kernel, no atomics, writes every output element, so no memset; only sparse outputs
+// with more than 4 cells per point are zeroed by a grid-wide fill first, see kSparseKeysPerPoint):
+// - Segments are the runs of equal ranks_bev (what BEVDet's interval arrays are by construction;
+//   the kernels do not read the interval arrays). Work is split by POINTS, not by intervals:
+//   intervals hold 1 to ~800 points, and a thread group per interval leaves the long ones (near
+//   the ego car) on the critical path.
+// - Block j takes the runs that START in points [j*P, (j+1)*P) (found with one coalesced search
+//   round) and with them owns the cells [cell of its first run, cell of the next block's first
+//   run): it writes those cells' values AND the zeros of the empty cells among them.
+// - Inside the block, "slots" of G lanes (G = channel vectors per point) each take an equal,
+//   contiguous share of the block's points and sum runs in registers. A run cut by slot
+//   boundaries is finished by the slot holding its first point, which adds the later slots'
+//   partial sums in a fixed order: the result is bit-identical from run to run.
+// - The output is channels-first while feat is channels-last, so finished cells go to a
+//   shared-memory window [c][cell] and leave as coalesced rows of consecutive cells (one 32-bit
+//   store per cell and channel from a scattered writer would cost ~8x the L2 transactions).
+//   Cells beyond the window (sparse regions; ~3% of cells in the bevdet configs) are written
+//   directly, and the empty ones among them zeroed by the block, found with a bitmap.
+//
+// Backward:
+// - backward_points_kernel, in the forward's point order: grad_depth[ranks_depth[i]] =
+//   dot(grad_out[:, cell_i], feat row) (one writer per point, lanes reduced in a fixed order) and,
+//   in the default mode, grad_feat[ranks_feat[i]] += depth * grad_out[:, cell_i] with float32
+//   atomics (into a float32 buffer; the caller casts for float16 / bfloat16). grad_out is read
+//   through a shared-memory window of the block's cells (coalesced), like the forward's output.
+// - grad_feat_sorted_kernel, the deterministic mode: points grouped by ranks_feat (the caller's
+//   stable sort, `order`), each feat row summed by the same segmented scheme as the forward,
+//   reading channels-last grad rows; rows without points get zeros. No atomics.
+//
+// Safety: every data-dependent index is checked in the kernels (bad points contribute nothing,
+// out-of-range cells are dropped); bad input never reads or writes out of bounds. Unsorted
+// ranks_bev gives unspecified values (never out of bounds); Python's validate=True rejects it.
+// No host synchronisation; everything runs on the caller's stream.
+
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+#include "checks.muh"
+#include "gpu_compat.muh"
+
+namespace muspace {
+namespace bev_pool_v2 {
+namespace {
+
+using tvm::ffi::Optional;
+
+// ------------------------------------------------------------------------------- launch policy
+
+constexpr int kThreads = 256;          // every kernel of this file
+// Launch bounds (ptxas -v, sm_90a): the forward fits 64 registers without spill (1024 threads per
+// SM; the 16-bit deterministic grad_feat kernel spills 24 bytes); the backward's point kernel
+// needs 80 (768 threads per SM).
+constexpr int kMinBlocksPerSM = 4;
+constexpr int kMinBlocksPerSMBackward = 3;
+constexpr int kUnroll = 4;             // points in flight per slot (each a 16-byte row vector)
+constexpr int kMaxLanes = 32;          // channel vectors per point in one channel tile (grid.y)
+constexpr int kSmemBudget = 26 * 1024; // static shared memory per block (rule: < 28 KB)
+constexpr int kSmemMisc = 1024;        // flags, bitmap, scalars
+constexpr int kSearchPerThread = 4;    // run-start search after round 0: kThreads * 4 points
+constexpr int kTargetBlocksPerSM = 4;  // P is at most n / (SMs * 4): all SMs busy
+constexpr int kMaxPointsPerSlot = 32;  // ... and at most 32 points per slot (latency bound)
+constexpr int kMinPointsPerSlot = 4;   // ... and at least 4 (amortises the search round)
+// Sparse outputs (more than 4 keys per point: few points, big grid): the empty keys are zeroed
+// by a grid-wide fill before the kernel instead of by their owning blocks, because one block
+// could own almost all of them (e.g. 6 points in a 4096 x 4096 grid).
+constexpr int64_t kSparseKeysPerPoint = 4;
+constexpr int kZeroFillMaxBlocks = 4096;
+constexpr int kNotFound = INT_MAX;
+// Points are int32 indices; the margin keeps `index + search span` inside int32.
+constexpr int64_t kMaxPoints = (int64_t{1} << 30);
+constexpr int64_t kMaxChannels = (int64_t{1} << 20);  // keeps grid.y and channel products small
+
+// Shared-memory window (elements of T) next to the slots' float32 partial sums.
+template <typename T, int VEC>
+constexpr int stage_elems() {
+  return (kSmemBudget - kSmemMisc - kThreads * VEC * static_cast<int>(sizeof(float))) /
+         static_cast<int>(sizeof(T));
+}
+
+// The backward's grad_out window, next to its double-buffered partial dot products.
+template <typename T>
+constexpr int backward_stage_elems() {
+  return (kSmemBudget - kSmemMisc - 2 * kUnroll * kThreads * static_cast<int>(sizeof(float))) /
+         static_cast<int>(sizeof(T));
+}
+
+// --------------------------------------------------------------------------- element helpers
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_float<half>(half x) { return __half2float(x); }
+#if MUSPACE_HAS_BF16
+template <>
+__device__ __forceinline__ float to_float<bfloat16>(bfloat16 x) { return __bfloat162float(x); }
+#endif
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ half from_float<half>(float x) { return __float2half_rn(x); }
+#if MUSPACE_HAS_BF16
+template <>
+__device__ __forceinline__ bfloat16 from_float<bfloat16>(float x) { return __float2bfloat16_rn(x); }
+#endif
+
+template <int BYTES> struct RawVec;
+template <> struct RawVec<16> { using type = uint4; };
+template <> struct RawVec<8> { using type = uint2; };
+template <> struct RawVec<4> { using type = unsigned int; };
+template <> struct RawVec<2> { using type = unsigned short; };
+
+// VEC consecutive elements as one load; the host picks VEC so that every row start is aligned.
+// Rows stay packed (16-bit types: 8 values in 4 registers) until they are consumed.
+template <typename T, int VEC>
+using Packed = typename RawVec<sizeof(T) * VEC>::type;
+
+template <typename T, int VEC>
+__device__ __forceinline__ Packed<T, VEC> load_packed(const T* __restrict__ p) {
+  return *reinterpret_cast<const Packed<T, VEC>*>(p);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void unpack(const Packed<T, VEC>& raw, float (&v)[VEC]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) v[k] = to_float(e[k]);
+}
+
+// All-zero bits are 0.0 in float32, float16 and bfloat16.
+template <typename T, int VEC>
+__device__ __forceinline__ Packed<T, VEC> zero_packed() { return Packed<T, VEC>{}; }
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&v)[VEC]) {
+  using Raw = typename RawVec<sizeof(T) * VEC>::type;
+  Raw raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) e[k] = from_float<T>(v[k]);
+  *reinterpret_cast<Raw*>(p) = raw;
+}
+
+__device__ __forceinline__ int clamp_key(int key, int n_keys) { return min(max(key, 0), n_keys); }
+
+// ------------------------------------------------------------------------- point accessors
+// A "gather" describes one segmented sum: key(j) is the segment key of point j (the points are
+// sorted by it), index() loads the row and weight indices of point j, gather() its weight and
+// row vector (zero for a bad point: an index out of range). A point whose key is out of range is
+// still gathered (its segment is dropped by the sink): only bad input has such keys.
+
+// Forward: key = ranks_bev, row = feat[ranks_feat], weight = depth[ranks_depth] (or 1).
+template <typename T, int VEC, bool kHasDepth>
+struct FeatGather {
+  const T* __restrict__ depth;
+  const T* __restrict__ rows;
+  const int* __restrict__ ranks_depth;
+  const int* __restrict__ ranks_feat;
+  const int* __restrict__ keys;
+  int n_depth;  // sizes clamped to INT_MAX: int32 indices cannot reach further
+  int n_rows;
+  int channels;
+  int n_keys;
+
+  __device__ __forceinline__ int key(int j) const { return keys[j]; }
+  __device__ __forceinline__ void index(int j, int& row, int& widx) const {
+    row = ranks_feat[j];
+    widx = kHasDepth ? ranks_depth[j] : 0;
+  }
+  __device__ __forceinline__ void gather(int row, int widx, int c, float& w,
+                                         Packed<T, VEC>& v) const {
+    w = 0.0f;
+    v = zero_packed<T, VEC>();
+    const bool ok = static_cast<unsigned>(row) < static_cast<unsigned>(n_rows) &&
+                    (!kHasDepth || static_cast<unsigned>(widx) < static_cast<unsigned>(n_depth));
+    if (!ok) return;  // a bad point contributes nothing
+    w = kHasDepth ? to_float(depth[widx]) : 1.0f;
+    v = load_packed<T, VEC>(rows + static_cast<int64_t>(row) * channels + c);
+  }
+};
+
+// Deterministic grad_feat: points in ranks_feat order (order[j]); key = ranks_feat,
+// row = channels-last grad at ranks_bev, weight = depth[ranks_depth] (or 1).
+template <typename T, int VEC, bool kHasDepth>
+struct GradRowGather {
+  const T* __restrict__ depth;
+  const T* __restrict__ rows;  // grad rows [n_cells, C]
+  const int* __restrict__ order;
+  const int* __restrict__ ranks_depth;
+  const int* __restrict__ ranks_feat;
+  const int* __restrict__ ranks_bev;
+  int n_points;
+  int n_depth;  // clamped to INT_MAX
+  int n_cells;
+  int channels;
+  int n_keys;  // feat rows
+
+  __device__ __forceinline__ int key(int j) const {
+    const int o = order[j];
+    return static_cast<unsigned>(o) < static_cast<unsigned>(n_points) ? ranks_feat[o] : -1;
+  }
+  __device__ __forceinline__ void index(int j, int& row, int& widx) const {
+    const int o = order[j];
+    row = -1;
+    widx = -1;
+    if (static_cast<unsigned>(o) >= static_cast<unsigned>(n_points)) return;
+    row = ranks_bev[o];
+    widx = kHasDepth ? ranks_depth[o] : 0;
+  }
+  __device__ __forceinline__ void gather(int row, int widx, int c, float& w,
+                                         Packed<T, VEC>& v) const {
+    w = 0.0f;
+    v = zero_packed<T, VEC>();
+    const bool ok = static_cast<unsigned>(row) < static_cast<unsigned>(n_cells) &&
+                    (!kHasDepth || static_cast<unsigned>(widx) < static_cast<unsigned>(n_depth));
+    if (!ok) return;
+    w = kHasDepth ? to_float(depth[widx]) : 1.0f;
+    v = load_packed<T, VEC>(rows + static_cast<int64_t>(row) * channels + c);
+  }
+};
+
+// ---------------------------------------------------------------------------- output sinks
+// A sink receives each finished run (emit). Keys of this block's range [lo, hi) that no run
+// emits (empty cells / feat rows without points) are zeroed afterwards by the whole block
+// (zero_unmarked): emits of keys in [z0, z0 + kBitmapBits) set a bit, the rest are found by
+// re-reading the block's keys. Both sinks only write the channels [c_begin, c_begin + tile_c).
+
+constexpr int kBitmapWords = 128;  // 4096 keys per zeroing round (512 bytes)
+constexpr int kBitmapBits = kBitmapWords * 32;
+
+__device__ __forceinline__ void mark(unsigned int* bitmap, int z0, int x) {
+  const int d = x - z0;
+  if (d >= 0 && d < kBitmapBits) atomicOr(&bitmap[d >> 5], 1u << (d & 31));
+}
+__device__ __forceinline__ bool marked(const unsigned int* bitmap, int d) {
+  return (bitmap[d >> 5] >> (d & 31)) & 1u;
+}
+
+// Forward output out[b, c, cell], channels first. Cells [lo, lo + win) go through the
+// shared-memory window stage[c][cell - lo] (zero-initialised, written out as coalesced rows);
+// cells beyond it (sparse regions) are written directly.
+template <typename T, int VEC>
+struct StagedChannelsFirst {
+  T* __restrict__ out;
+  T* stage;  // pitch = window_cells (odd: fewer bank conflicts)
+  unsigned int* bitmap;
+  int pitch;
+  int lo, win, hi;  // the block owns cells [lo, hi)
+  int n_cells, cells_per_batch;
+  int channels, c_begin, tile_c;
+
+  __device__ __forceinline__ int z0() const { return lo + win; }  // first key zeroed by the block
+  __device__ __forceinline__ int64_t offset(int x, int c) const {
+    const int b = x / cells_per_batch;
+    return (static_cast<int64_t>(b) * channels + c) * cells_per_batch + (x - b * cells_per_batch);
+  }
+  __device__ __forceinline__ void emit(int x, int lane_c, const float (&v)[VEC]) const {
+    if (x < 0 || x >= n_cells) return;  // dropped cell
+    if (x >= lo && x < lo + win) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) stage[(lane_c + e) * pitch + (x - lo)] = from_float<T>(v[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) out[offset(x, c_begin + lane_c + e)] = from_float<T>(v[e]);
+      if (lane_c == 0) mark(bitmap, z0(), x);
+    }
+  }
+  // Whole block: the window, as rows of consecutive cells per channel.
+  __device__ void flush() const {
+    const int n = tile_c * win;
+    for (int e = threadIdx.x; e < n; e += kThreads) {
+      const int c = e / win;
+      const int w = e - c * win;
+      out[offset(lo + w, c_begin + c)] = stage[c * pitch + w];
+    }
+  }
+  // Whole block: zeros for the unmarked cells of [from, from + n), consecutive cells per channel.
+  __device__ void zero_unmarked_chunk(int from, int n) const {
+    const int total = n * tile_c;  // n <= kBitmapBits, tile_c <= 256: fits int
+    for (int e = threadIdx.x; e < total; e += kThreads) {
+      const int c = e / n;
+      const int d = e - c * n;
+      if (!marked(bitmap, d)) out[offset(from + d, c_begin + c)] = from_float<T>(0.0f);
+    }
+  }
+};
+
+// Rows out[key, c], channels last (deterministic grad_feat): runs are written directly.
+template <typename T, int VEC>
+struct Rows {
+  T* __restrict__ out;
+  unsigned int* bitmap;
+  int lo, hi;
+  int n_keys;
+  int64_t channels;
+  int c_begin, tile_c;
+
+  __device__ __forceinline__ int z0() const { return lo; }
+  __device__ __forceinline__ void emit(int x, int lane_c, const float (&v)[VEC]) const {
+    if (x < 0 || x >= n_keys) return;
+    store_vec<T, VEC>(out + x * channels + c_begin + lane_c, v);
+    if (lane_c == 0) mark(bitmap, z0(), x);
+  }
+  __device__ void flush() const {}
+  __device__ void zero_unmarked_chunk(int from, int n) const {
+    const int total = n * tile_c;
+    for (int e = threadIdx.x; e < total; e += kThreads) {
+      const int d = e / tile_c;
+      const int c = e - d * tile_c;
+      if (!marked(bitmap, d)) out[(from + d) * channels + c_begin + c] = from_float<T>(0.0f);
+    }
+  }
+};
+
+// ------------------------------------------------------------------- the segmented block sum
+
+template <class Gather>
+__device__ __forceinline__ bool is_run_start(const Gather& g, int j) {
+  return j == 0 || g.key(j) != g.key(j - 1);
+}
+
+// The runs this block owns start in [p0, p1): s_q[0] = the first run start in [p0, p1)
+// (kNotFound if none: the block owns nothing), s_q[1] = the first run start >= p1 (n if none).
+// Usually one round; a run longer than the search span costs its owner more rounds.
+template <class Gather>
+__device__ void find_owned_runs(const Gather& g, int n, int p0, int p1, int* s_q) {
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    s_q[0] = (p0 == 0) ? 0 : kNotFound;
+    s_q[1] = kNotFound;
+  }
+  __syncthreads();
+  // Round 0 looks at kThreads points (most runs are shorter), later rounds at 4x as many.
+  for (int base = 0, per_thread = 1;; base += per_thread * kThreads, per_thread = kSearchPerThread) {
+    // Read the state, then sync before anyone updates it: the loop exit is block-uniform.
+    const bool searching0 = s_q[0] == kNotFound && p0 + base < p1;
+    const bool owns_nothing = s_q[0] == kNotFound && p0 + base >= p1;
+    const bool searching1 = !owns_nothing && s_q[1] == kNotFound && p1 + base < n;
+    __syncthreads();
+    if (!searching0 && !searching1) break;
+    for (int k = 0; k < per_thread; ++k) {
+      const int off = base + k * kThreads + tid;
+      if (searching0 && p0 + off < p1 && is_run_start(g, p0 + off)) atomicMin(&s_q[0], p0 + off);
+      if (searching1 && p1 + off < n && is_run_start(g, p1 + off)) atomicMin(&s_q[1], p1 + off);
+    }
+    __syncthreads();
+  }
+  if (tid == 0 && s_q[1] == kNotFound) s_q[1] = n;
+  __syncthreads();
+}
+
+// Sums the runs of points [q0, q1) (whole runs) and hands each run's sum to the sink. G lanes
+// per point; lane `lane` owns the channels c_begin + [lane*VEC, lane*VEC + VEC). Each slot
+// takes an equal contiguous share of the points. A run cut by slot boundaries is finished by the
+// slot holding its FIRST point (its last segment is still in `acc` after the loop): the later
+// slots leave their first segment's sum in s_part the moment it ends, and after the barrier the
+// owner adds those sums nearest first (a fixed order: bit-identical reruns).
+// Contains one __syncthreads: every thread of the block must call it.
+template <typename T, int VEC, class Gather, class Sink>
+__device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, int G, int c_begin,
+                          float* s_part, unsigned char* s_flags) {
+  constexpr unsigned char kSingle = 1, kOpenEnd = 2;
+  const int tid = threadIdx.x;
+  const int S = kThreads / G;  // slots
+  const int slot = tid / G;
+  const int lane = tid - slot * G;
+  const int lane_c = lane * VEC;        // channel offset within the tile (what sinks take)
+  const int row_c = c_begin + lane_c;   // channel offset within a row (what gathers take)
+  const int n_own = q1 - q0;
+  const int K = (n_own + S - 1) / S;  // points per slot (the last slots may get fewer / none)
+  const int a = q0 + min(slot * K, n_own);
+  const int b = min(a + K, q1);
+  const bool active = slot < S && a < b;
+
+  float acc[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
+  int cur = 0;
+  bool owner_pending = false;
+
+  if (active) {
+    // Row and weight indices of the next batch are prefetched; keys are loaded with the rows.
+    int nr[kUnroll], nw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      nr[u] = nw[u] = 0;
+      if (a + u < b) gat.index(a + u, nr[u], nw[u]);
+    }
+    const int key_before = a > q0 ? gat.key(a - 1) : 0;
+    const int key_after = b < q1 ? gat.key(b) : 0;
+    cur = gat.key(a);
+    const bool first_open = a > q0 && key_before == cur;  // continues a run of earlier slots
+    bool seg_first = true;
+
+    for (int i = a; i < b; i += kUnroll) {
+      int ck[kUnroll];
+      float w[kUnroll];
+      Packed<T, VEC> v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        ck[u] = cur;
+        w[u] = 0.0f;
+        v[u] = zero_packed<T, VEC>();
+        if (i + u < b) {
+          ck[u] = gat.key(i + u);
+          gat.gather(nr[u], nw[u], row_c, w[u], v[u]);
+        }
+      }
+      // The next indices are requested before this batch's rows are consumed (a software
+      // pipeline: one memory round trip per batch instead of two).
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (i + kUnroll + u < b) gat.index(i + kUnroll + u, nr[u], nw[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (i + u < b && ck[u] != cur) {  // the segment [.., i + u) ends here
+          if (seg_first && first_open) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) s_part[tid * VEC + e] = acc[e];
+          } else {
+            sink.emit(cur, lane_c, acc);
+          }
+          seg_first = false;
+          cur = ck[u];
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
+        }
+        float f[VEC];
+        unpack<T, VEC>(v[u], f);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] = fmaf(w[u], f[e], acc[e]);  // w = 0 past b
+      }
+    }
+    // The slot's last segment ends at b.
+    const bool open_end = b < q1 && key_after == cur;
+    if (seg_first && first_open) {  // one segment, continuing an earlier slot's run
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) s_part[tid * VEC + e] = acc[e];
+    } else if (open_end) {
+      owner_pending = true;  // finished after the barrier
+    } else {
+      sink.emit(cur, lane_c, acc);
+    }
+    if (lane == 0) s_flags[slot] = (seg_first ? kSingle : 0) | (open_end ? kOpenEnd : 0);
+  }
+  __syncthreads();
+  if (owner_pending) {
+    // Add the first-segment sums of the slots the run continues into, in slot order; a slot
+    // entirely inside the run (one segment, open at its end) passes on to the next.
+    for (int s = slot + 1; s < S; ++s) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] += s_part[(s * G + lane) * VEC + e];
+      if (s_flags[s] != (kSingle | kOpenEnd)) break;
+    }
+    sink.emit(cur, lane_c, acc);
+  }
+}
+
+// After pool_runs and a barrier: zeros for the keys in [sink.z0(), hi) that no run emitted.
+// The first kBitmapBits keys use the bits set by emit; further rounds (very sparse ranges only)
+// rebuild the bitmap from the block's keys. Block-uniform; ends with a barrier.
+template <class Gather, class Sink>
+__device__ void zero_unmarked(const Gather& gat, const Sink& sink, int q0, int q1, int hi) {
+  for (int64_t from64 = sink.z0(); from64 < hi; from64 += kBitmapBits) {  // int64: no wrap at 2^31
+    const int from = static_cast<int>(from64);
+    if (from != sink.z0()) {
+      for (int k = threadIdx.x; k < kBitmapWords; k += kThreads) sink.bitmap[k] = 0u;
+      __syncthreads();
+      for (int j = q0 + threadIdx.x; j < q1; j += kThreads) mark(sink.bitmap, from, gat.key(j));
+      __syncthreads();
+    }
+    sink.zero_unmarked_chunk(from, min(kBitmapBits, hi - from));
+    __syncthreads();
+  }
+}
+
+// ------------------------------------------------------------------------------------ kernels
+
+// Owned range of a block: runs [q0, q1) and keys [lo, hi). Returns false when the block owns
+// nothing (block-uniform).
+template <class Gather>
+__device__ bool owned_range(const Gather& gat, int n, int points_per_block, int n_keys, int* s_q,
+                            int& q0, int& q1, int& lo, int& hi) {
+  const int p0 = blockIdx.x * points_per_block;
+  const int p1 = min(p0 + points_per_block, n);
+  find_owned_runs(gat, n, p0, p1, s_q);
+  q0 = s_q[0];
+  q1 = s_q[1];
+  if (q0 == kNotFound) return false;
+  if (threadIdx.x == 0) {
+    // Block 0 starts at key 0; the next owner starts at the key of point q1.
+    const int l = blockIdx.x == 0 ? 0 : clamp_key(gat.key(q0), n_keys);
+    s_q[2] = l;
+    s_q[3] = max(l, q1 >= n ? n_keys : clamp_key(gat.key(q1), n_keys));
+  }
+  __syncthreads();
+  lo = s_q[2];
+  hi = s_q[3];
+  return true;
+}
+
+template <typename T, int VEC, bool kHasDepth>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_points,
+               int points_per_block, int channels, int cells_per_batch, int window_cells,
+               int out_prezeroed) {
+  __shared__ float s_part[kThreads * VEC];
+  __shared__ alignas(16) unsigned char s_stage_raw[stage_elems<T, VEC>() * sizeof(T)];
+  __shared__ unsigned int s_bitmap[kBitmapWords];
+  __shared__ unsigned char s_flags[kThreads];
+  __shared__ int s_q[4];
+  const int tid = threadIdx.x;
+  // The window starts as zeros (empty cells) and the bitmap empty; sizes do not depend on the
+  // search, so this overlaps it.
+  {
+    uint4* words = reinterpret_cast<uint4*>(s_stage_raw);
+    constexpr int kWords = static_cast<int>(sizeof(s_stage_raw) / sizeof(uint4));
+    for (int e = tid; e < kWords; e += kThreads) words[e] = make_uint4(0u, 0u, 0u, 0u);
+    for (int e = tid; e < kBitmapWords; e += kThreads) s_bitmap[e] = 0u;
+  }
+  int q0, q1, lo, hi;
+  if (!owned_range(gat, n_points, points_per_block, gat.n_keys, s_q, q0, q1, lo, hi)) return;
+
+  StagedChannelsFirst<T, VEC> sink;
+  sink.out = out;
+  sink.stage = reinterpret_cast<T*>(s_stage_raw);
+  sink.bitmap = s_bitmap;
+  sink.pitch = window_cells;
+  sink.lo = lo;
+  sink.hi = hi;
+  sink.win = min(window_cells, hi - lo);
+  sink.n_cells = gat.n_keys;
+  sink.cells_per_batch = cells_per_batch;
+  sink.channels = channels;
+  sink.c_begin = blockIdx.y * kMaxLanes * VEC;
+  sink.tile_c = min(kMaxLanes * VEC, channels - sink.c_begin);
+  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags);
+  __syncthreads();
+  sink.flush();
+  if (!out_prezeroed) zero_unmarked(gat, sink, q0, q1, hi);
+}
+
+template <typename T, int VEC, bool kHasDepth>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+grad_feat_sorted_kernel(GradRowGather<T, VEC, kHasDepth> gat, T* __restrict__ grad_feat,
+                        int n_sorted, int points_per_block, int channels, int out_prezeroed) {
+  __shared__ float s_part[kThreads * VEC];
+  __shared__ unsigned int s_bitmap[kBitmapWords];
+  __shared__ unsigned char s_flags[kThreads];
+  __shared__ int s_q[4];
+  for (int e = threadIdx.x; e < kBitmapWords; e += kThreads) s_bitmap[e] = 0u;
+  int q0, q1, lo, hi;
+  if (!owned_range(gat, n_sorted, points_per_block, gat.n_keys, s_q, q0, q1, lo, hi)) return;
+  Rows<T, VEC> sink;
+  sink.out = grad_feat;
+  sink.bitmap = s_bitmap;
+  sink.lo = lo;
+  sink.hi = hi;
+  sink.n_keys = gat.n_keys;
+  sink.channels = channels;
+  sink.c_begin = blockIdx.y * kMaxLanes * VEC;
+  sink.tile_c = min(kMaxLanes * VEC, channels - sink.c_begin);
+  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags);
+  __syncthreads();
+  if (!out_prezeroed) zero_unmarked(gat, sink, q0, q1, hi);
+}
+
+// Backward in the forward's point order. Each block takes points [p0, p1) (not run-aligned: no
+// segment sums here) and reads grad_out for its cells through a shared window (coalesced).
+//   kDepthGrad: grad_depth[rd_i] = dot(grad_out[:, cell_i], feat[rf_i, :])
+//   kAtomicFeat: grad_feat_acc[rf_i, :] += depth[rd_i] * grad_out[:, cell_i]   (float32 atomics)
+template <typename T, int VEC, bool kHasDepth, bool kDepthGrad, bool kAtomicFeat>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
+backward_points_kernel(const T* __restrict__ grad_out, const T* __restrict__ depth,
+                       const T* __restrict__ feat, const int* __restrict__ ranks_depth,
+                       const int* __restrict__ ranks_feat, const int* __restrict__ ranks_bev,
+                       T* __restrict__ grad_depth, float* __restrict__ grad_feat_acc, int n_points,
+                       int points_per_block, int64_t n_depth, int64_t n_rows, int channels,
+                       int n_cells, int cells_per_batch, int window_cells) {
+  constexpr int kStageElems = backward_stage_elems<T>();
+  __shared__ alignas(16) unsigned char s_stage_raw[kStageElems * sizeof(T)];
+  __shared__ float s_red[2][kUnroll][kThreads];  // per-lane partial dots, double-buffered
+  __shared__ int s_range[2];
+  T* stage = reinterpret_cast<T*>(s_stage_raw);
+  const int tid = threadIdx.x;
+  const int p0 = blockIdx.x * points_per_block;
+  const int p1 = min(p0 + points_per_block, n_points);
+  const int n_chunks = channels / VEC;
+  const int G = min(n_chunks, kMaxLanes);
+  const int S = kThreads / G;
+  const int slot = tid / G;
+  const int lane = tid - slot * G;
+  const int n_mine = p1 - p0;
+  const int K = (n_mine + S - 1) / S;
+  const int a = p0 + min(slot * K, n_mine);
+  const int b = slot < S ? min(a + K, p1) : a;
+  const int iterations = (K + kUnroll - 1) / kUnroll;  // block-uniform (syncs inside)
+
+  if (tid == 0) {
+    // Window of cells [lo, lo + win) covering this block's points (sorted by cell).
+    const int lo = min(max(ranks_bev[p0], 0), n_cells - 1);
+    const int last = min(max(ranks_bev[p1 - 1], 0), n_cells - 1);
+    s_range[0] = lo;
+    s_range[1] = min(max(last - lo + 1, 0), window_cells);
+  }
+  __syncthreads();
+  const int lo = s_range[0];
+  const int win = s_range[1];
+  auto goffset = [&](int x, int c) -> int64_t {
+    const int bb = x / cells_per_batch;
+    return (static_cast<int64_t>(bb) * channels + c) * cells_per_batch + (x - bb * cells_per_batch);
+  };
+  for (int e = tid; e < channels * win; e += kThreads) {
+    const int c = e / win;
+    const int w = e - c * win;
+    stage[c * window_cells + w] = grad_out[goffset(lo + w, c)];
+  }
+  __syncthreads();
+  auto grad_at = [&](int x, int c) -> float {
+    if (x >= lo && x < lo + win) return to_float(stage[c * window_cells + (x - lo)]);
+    return to_float(grad_out[goffset(x, c)]);
+  };
+
+  for (int it = 0; it < iterations; ++it) {
+    const int i = a + it * kUnroll;
+    int ck[kUnroll], cr[kUnroll], cw[kUnroll];
+    bool ok[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      ck[u] = cr[u] = cw[u] = 0;
+      ok[u] = false;
+      if (i + u < b) {
+        ck[u] = ranks_bev[i + u];
+        cr[u] = ranks_feat[i + u];
+        cw[u] = kHasDepth ? ranks_depth[i + u] : 0;
+        ok[u] = ck[u] >= 0 && ck[u] < n_cells && cr[u] >= 0 && cr[u] < n_rows &&
+                (!kHasDepth || (cw[u] >= 0 && cw[u] < n_depth));
+      }
+    }
+    float wt[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      wt[u] = 1.0f;
+      if (kHasDepth && kAtomicFeat && ok[u]) wt[u] = to_float(depth[cw[u]]);
+    }
+    if (kDepthGrad) {
+      float dot[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) dot[u] = 0.0f;
+      for (int chunk = lane; chunk < n_chunks; chunk += G) {
+        Packed<T, VEC> fp[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          fp[u] = zero_packed<T, VEC>();
+          if (ok[u]) fp[u] = load_packed<T, VEC>(feat + static_cast<int64_t>(cr[u]) * channels + chunk * VEC);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (!ok[u]) continue;
+          float f[VEC];
+          unpack<T, VEC>(fp[u], f);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) dot[u] = fmaf(grad_at(ck[u], chunk * VEC + e), f[e], dot[u]);
+        }
+      }
+      const int buf = it & 1;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) s_red[buf][u][tid] = dot[u];
+      __syncthreads();
+      // Lane u of each slot sums point u's G partial dots in lane order (deterministic).
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (slot >= S || u % G != lane || !ok[u]) continue;
+        float sum = 0.0f;
+        for (int l = 0; l < G; ++l) sum += s_red[buf][u][slot * G + l];
+        grad_depth[cw[u]] = from_float<T>(sum);
+      }
+    }
+    if (kAtomicFeat) {
+      // Lane l takes channels l, l + G, ...: each warp-wide atomic covers consecutive floats.
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!ok[u]) continue;
+        float* dst = grad_feat_acc + static_cast<int64_t>(cr[u]) * channels;
+        for (int c = lane; c < channels; c += G) atomicAdd(dst + c, wt[u] * grad_at(ck[u], c));
+      }
+    }
+  }
+}
+
+// Zeroes n_bytes at p (any alignment): 16-byte stores for the aligned body, bytes at the ends.
+__global__ void zero_fill_kernel(unsigned char* __restrict__ p, int64_t n_bytes) {
+  const int64_t misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % 16);
+  const int64_t head = min(n_bytes, (16 - misalign) % 16);
+  const int64_t n_vec = (n_bytes - head) / 16;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  uint4* body = reinterpret_cast<uint4*>(p + head);
+  for (int64_t i = tid; i < n_vec; i += stride) body[i] = make_uint4(0u, 0u, 0u, 0u);
+  if (tid < head) p[tid] = 0;
+  for (int64_t i = head + n_vec * 16 + tid; i < n_bytes; i += stride) p[i] = 0;
+}
+
+// ------------------------------------------------------------------------------ host helpers
+
+enum class Elem { kF32, kF16, kBF16 };
+
+Elem elem_of(const TensorView& t, const char* name) {
+  const DLDataType d = t.dtype();
+  if (same_dtype(d, kFloat32)) return Elem::kF32;
+  if (same_dtype(d, kFloat16)) return Elem::kF16;
+#if MUSPACE_HAS_BF16
+  if (same_dtype(d, kBFloat16)) return Elem::kBF16;
+  TVM_FFI_THROW(TypeError) << name << " must be float32, float16 or bfloat16, got " << dtype_name(d);
+#else
+  TVM_FFI_THROW(TypeError) << name << " must be float32 or float16 (this build has no bfloat16), got "
+                           << dtype_name(d);
+#endif
+  return Elem::kF32;
+}
+
+int elem_bytes(Elem e) { return e == Elem::kF32 ? 4 : 2; }
+
+// Widest vector (16, 8, 4 or 2 bytes) that divides a row and every row pointer's alignment.
+// Instantiated widths: float32 {4, 1}; 16-bit {8, 2, 1} elements.
+int pick_vec(Elem e, int64_t channels, std::initializer_list<const void*> ptrs) {
+  const int eb = elem_bytes(e);
+  const int candidates_f32[] = {4, 1};
+  const int candidates_16[] = {8, 2, 1};
+  const int* cand = e == Elem::kF32 ? candidates_f32 : candidates_16;
+  const int n = e == Elem::kF32 ? 2 : 3;
+  for (int k = 0; k < n; ++k) {
+    const int vec = cand[k];
+    bool ok = channels % vec == 0;
+    for (const void* p : ptrs) ok = ok && reinterpret_cast<uintptr_t>(p) % (vec * eb) == 0;
+    if (ok) return vec;
+  }
+  return 1;
+}
+
+template <class F>
+void dispatch_elem(Elem e, F&& f) {
+  switch (e) {
+    case Elem::kF32: f(float{}); break;
+    case Elem::kF16: f(half{}); break;
+#if MUSPACE_HAS_BF16
+    case Elem::kBF16: f(bfloat16{}); break;
+#endif
+    default: TVM_FFI_ICHECK(false) << "unreachable dtype";
+  }
+}
+
+template <typename T, class F>
+void dispatch_vec(int vec, F&& f) {
+  if constexpr (sizeof(T) == 4) {
+    if (vec == 4) return f(std::integral_constant<int, 4>{});
+    return f(std::integral_constant<int, 1>{});
+  } else {
+    if (vec == 8) return f(std::integral_constant<int, 8>{});
+    if (vec == 2) return f(std::integral_constant<int, 2>{});
+    return f(std::integral_constant<int, 1>{});
+  }
+}
+
+// Shared-memory window width (cells) for a channel tile of `tile_c` channels: odd pitch.
+int window_cells_for(int capacity_elems, int tile_c) {
+  int w = capacity_elems / tile_c;
+  if (w % 2 == 0) w -= 1;
+  return w < 1 ? 1 : w;
+}
+
+// Points per block: small enough that the block's cells usually fit the window (half of it at
+// the average density), every SM gets several blocks and a slot walks <= 32 points; large enough
+// that each slot gets >= 4 points. `override_ppb` > 0 (profiling) replaces the choice.
+int points_per_block_for(int64_t n_points, int64_t n_keys, int window, int lanes, int device_id,
+                         int64_t override_ppb) {
+  const int64_t slots = kThreads / lanes;
+  if (override_ppb > 0) return static_cast<int>(std::min<int64_t>(override_ppb, 1 << 20));
+  const int64_t sms = multiprocessor_count(device_id);
+  const int64_t span = window > 0 && n_keys > 0 ? (static_cast<int64_t>(window) * n_points) / (2 * n_keys)
+                                                : n_points;
+  const int64_t occupancy = (n_points + sms * kTargetBlocksPerSM - 1) / (sms * kTargetBlocksPerSM);
+  int64_t p = std::min(span, occupancy);
+  p = std::min(p, slots * kMaxPointsPerSlot);
+  p = std::max(p, slots * kMinPointsPerSlot);
+  return static_cast<int>(p);
+}
+
+int clamp_int(int64_t v) { return static_cast<int>(std::min<int64_t>(v, INT_MAX)); }
+void* data_or_null(const Optional<TensorView>& t) { return t.has_value() ? (*t).data_ptr() : nullptr; }
+int64_t numel_or_zero(const Optional<TensorView>& t) { return t.has_value() ? (*t).numel() : 0; }
+
+void check_ranks(const TensorView& t, const char* name, const TensorView& ref, int64_t n) {
+  check_input(t, name, ref, kInt32);
+  check_ndim(t, name, 1);
+  check_size(t, name, 0, n);
+}
+
+int64_t checked_points(const TensorView& ranks_bev) {
+  const int64_t n = ranks_bev.size(0);
+  if (n > kMaxPoints) {
+    TVM_FFI_THROW(ValueError) << "ranks_bev has " << n << " points; at most " << kMaxPoints
+                              << " are supported";
+  }
+  return n;
+}
+
+// Cells of out [B, C, Z, Y, X] (or grad_out): B*Z*Y*X must fit the int32 ranks_bev.
+void out_geometry(const TensorView& out, const char* name, int64_t channels, int* n_cells,
+                  int* cells_per_batch) {
+  check_ndim(out, name, 5);
+  check_size(out, name, 1, channels);
+  const int64_t per_batch = out.size(2) * out.size(3) * out.size(4);
+  const int64_t cells = out.size(0) * per_batch;
+  if (cells > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << name << ": B*Z*Y*X = " << cells
+                              << " cells exceed the int32 range of ranks_bev";
+  }
+  *n_cells = static_cast<int>(cells);
+  *cells_per_batch = static_cast<int>(per_batch);
+}
+
+int64_t feat_channels(const TensorView& feat) {
+  if (feat.ndim() < 2) {
+    TVM_FFI_THROW(ValueError) << "feat must be at least 2-D [..., C], got " << feat.ndim() << "-D";
+  }
+  const int64_t channels = feat.size(feat.ndim() - 1);
+  if (channels > kMaxChannels) {
+    TVM_FFI_THROW(ValueError) << "feat has " << channels << " channels; at most " << kMaxChannels
+                              << " are supported";
+  }
+  return channels;
+}
+
+void launch_zero(void* p, int64_t n_bytes, gpuStream_t stream) {
+  if (n_bytes == 0) return;
+  const int64_t blocks = std::min<int64_t>((n_bytes / 16 + kThreads) / kThreads, kZeroFillMaxBlocks);
+  zero_fill_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
+      static_cast<unsigned char*>(p), n_bytes);
+  check_launch("bev_pool_v2 zero_fill_kernel");
+}
+
+// ------------------------------------------------------------------------------ entry points
+
+// out = bev_pool_v2(depth, feat, ...) into the pre-allocated out [B, C, Z, Y, X]; every element
+// is written. depth / ranks_depth: both or neither (weights 1).
+void forward(Optional<TensorView> depth, TensorView feat, Optional<TensorView> ranks_depth,
+             TensorView ranks_feat, TensorView ranks_bev, TensorView out, int64_t points_per_block,
+             int64_t stream) {
+  check_gpu_tensor(feat, "feat");
+  const Elem elem = elem_of(feat, "feat");
+  check_contiguous(feat, "feat");
+  const int64_t channels = feat_channels(feat);
+  if (depth.has_value() != ranks_depth.has_value()) {
+    TVM_FFI_THROW(ValueError) << "depth and ranks_depth must be given together (or both None)";
+  }
+  const bool has_depth = depth.has_value();
+  const int64_t n = checked_points(ranks_bev);
+  check_ranks(ranks_bev, "ranks_bev", feat, n);
+  check_ranks(ranks_feat, "ranks_feat", feat, n);
+  if (has_depth) {
+    check_device(*depth, "depth", feat);
+    check_same_dtype(*depth, "depth", feat, "feat");
+    check_contiguous(*depth, "depth");
+    check_ranks(*ranks_depth, "ranks_depth", feat, n);
+  }
+  check_device(out, "out", feat);
+  check_same_dtype(out, "out", feat, "feat");
+  check_contiguous(out, "out");
+  int n_cells = 0, cells_per_batch = 0;
+  out_geometry(out, "out", channels, &n_cells, &cells_per_batch);
+  if (out.numel() == 0) return;
+  DeviceGuard guard(feat.device().device_id);
+  const gpuStream_t s = as_stream(stream);
+  if (n == 0) return launch_zero(out.data_ptr(), out.numel() * elem_bytes(elem), s);
+
+  const int vec = pick_vec(elem, channels, {feat.data_ptr()});
+  dispatch_elem(elem, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_vec<T>(vec, [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const int tile_c = static_cast<int>(std::min<int64_t>(channels, kMaxLanes * VEC));
+      const int window = window_cells_for(stage_elems<T, VEC>(), tile_c);
+      const int ppb = points_per_block_for(n, n_cells, window, tile_c / VEC,
+                                           feat.device().device_id, points_per_block);
+      const dim3 grid(static_cast<unsigned>((n + ppb - 1) / ppb),
+                      static_cast<unsigned>((channels / VEC + kMaxLanes - 1) / kMaxLanes));
+      const bool prezero = n_cells > kSparseKeysPerPoint * n;
+      if (prezero) launch_zero(out.data_ptr(), out.numel() * static_cast<int64_t>(sizeof(T)), s);
+      auto launch = [&](auto depth_tag) {
+        constexpr bool kHasDepth = decltype(depth_tag)::value;
+        FeatGather<T, VEC, kHasDepth> gat;
+        gat.depth = kHasDepth ? static_cast<const T*>(data_or_null(depth)) : nullptr;
+        gat.rows = static_cast<const T*>(feat.data_ptr());
+        gat.ranks_depth = kHasDepth ? static_cast<const int*>(data_or_null(ranks_depth)) : nullptr;
+        gat.ranks_feat = static_cast<const int*>(ranks_feat.data_ptr());
+        gat.keys = static_cast<const int*>(ranks_bev.data_ptr());
+        gat.n_depth = clamp_int(numel_or_zero(depth));
+        gat.n_rows = clamp_int(feat.numel() / channels);
+        gat.channels = static_cast<int>(channels);
+        gat.n_keys = n_cells;
+        forward_kernel<T, VEC, kHasDepth><<<grid, kThreads, 0, s>>>(
+            gat, static_cast<T*>(out.data_ptr()), static_cast<int>(n), ppb,
+            static_cast<int>(channels), cells_per_batch, window, prezero ? 1 : 0);
+        check_launch("bev_pool_v2 forward_kernel");
+      };
+      if (has_depth) {
+        launch(std::true_type{});
+      } else {
+        launch(std::false_type{});
+      }
+    });
+  });
+}
+
+// Backward in point order. grad_depth (depth's dtype, pre-zeroed): per-point dot products.
+// grad_feat_acc (float32, pre-zeroed, feat's shape): atomic accumulation (default mode). Either
+// may be None (not computed); grad_depth needs depth.
+void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
+              Optional<TensorView> ranks_depth, TensorView ranks_feat, TensorView ranks_bev,
+              Optional<TensorView> grad_depth, Optional<TensorView> grad_feat_acc,
+              int64_t points_per_block, int64_t stream) {
+  check_gpu_tensor(feat, "feat");
+  const Elem elem = elem_of(feat, "feat");
+  check_contiguous(feat, "feat");
+  const int64_t channels = feat_channels(feat);
+  if (depth.has_value() != ranks_depth.has_value()) {
+    TVM_FFI_THROW(ValueError) << "depth and ranks_depth must be given together (or both None)";
+  }
+  const bool has_depth = depth.has_value();
+  if (grad_depth.has_value() && !has_depth) {
+    TVM_FFI_THROW(ValueError) << "grad_depth needs depth";
+  }
+  if (!grad_depth.has_value() && !grad_feat_acc.has_value()) {
+    TVM_FFI_THROW(ValueError) << "give grad_depth, grad_feat_acc or both";
+  }
+  const int64_t n = checked_points(ranks_bev);
+  check_ranks(ranks_bev, "ranks_bev", feat, n);
+  check_ranks(ranks_feat, "ranks_feat", feat, n);
+  if (has_depth) {
+    check_device(*depth, "depth", feat);
+    check_same_dtype(*depth, "depth", feat, "feat");
+    check_contiguous(*depth, "depth");
+    check_ranks(*ranks_depth, "ranks_depth", feat, n);
+  }
+  check_device(grad_out, "grad_out", feat);
+  check_same_dtype(grad_out, "grad_out", feat, "feat");
+  check_contiguous(grad_out, "grad_out");
+  int n_cells = 0, cells_per_batch = 0;
+  out_geometry(grad_out, "grad_out", channels, &n_cells, &cells_per_batch);
+  if (grad_depth.has_value()) {
+    check_input(*grad_depth, "grad_depth", feat, feat.dtype());
+    check_same_shape(*grad_depth, "grad_depth", *depth, "depth");
+  }
+  if (grad_feat_acc.has_value()) {
+    check_input(*grad_feat_acc, "grad_feat_acc", feat, kFloat32);
+    check_same_shape(*grad_feat_acc, "grad_feat_acc", feat, "feat");
+  }
+  if (n == 0 || grad_out.numel() == 0 || channels == 0) return;  // outputs stay zero
+  DeviceGuard guard(feat.device().device_id);
+  const gpuStream_t s = as_stream(stream);
+  const int vec = pick_vec(elem, channels, {feat.data_ptr()});
+  dispatch_elem(elem, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_vec<T>(vec, [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      constexpr int kStage = backward_stage_elems<T>();
+      const int lanes = static_cast<int>(std::min<int64_t>(channels / VEC, kMaxLanes));
+      const int window = std::max(0, window_cells_for(kStage, static_cast<int>(channels)));
+      // A window narrower than one cell (huge C) is simply unused (window 0 cells).
+      const int window_used = static_cast<int64_t>(window) * channels <= kStage ? window : 0;
+      const int ppb = points_per_block_for(n, n_cells, std::max(window_used, 1), lanes,
+                                           feat.device().device_id, points_per_block);
+      const dim3 grid(static_cast<unsigned>((n + ppb - 1) / ppb));
+      auto launch = [&](auto has_depth_tag, auto depth_grad_tag, auto atomic_tag) {
+        constexpr bool kHasDepth = decltype(has_depth_tag)::value;
+        constexpr bool kDepthGrad = decltype(depth_grad_tag)::value;
+        constexpr bool kAtomic = decltype(atomic_tag)::value;
+        backward_points_kernel<T, VEC, kHasDepth, kDepthGrad, kAtomic><<<grid, kThreads, 0, s>>>(
+            static_cast<const T*>(grad_out.data_ptr()),
+            kHasDepth ? static_cast<const T*>(data_or_null(depth)) : nullptr,
+            static_cast<const T*>(feat.data_ptr()),
+            kHasDepth ? static_cast<const int*>(data_or_null(ranks_depth)) : nullptr,
+            static_cast<const int*>(ranks_feat.data_ptr()),
+            static_cast<const int*>(ranks_bev.data_ptr()),
+            kDepthGrad ? static_cast<T*>(data_or_null(grad_depth)) : nullptr,
+            kAtomic ? static_cast<float*>(data_or_null(grad_feat_acc)) : nullptr, static_cast<int>(n),
+            ppb, kHasDepth ? numel_or_zero(depth) : 0, feat.numel() / channels,
+            static_cast<int>(channels), n_cells, cells_per_batch, window_used);
+        check_launch("bev_pool_v2 backward_points_kernel");
+      };
+      const bool dg = grad_depth.has_value(), at = grad_feat_acc.has_value();
+      if (has_depth && dg && at) {
+        launch(std::true_type{}, std::true_type{}, std::true_type{});
+      } else if (has_depth && dg) {
+        launch(std::true_type{}, std::true_type{}, std::false_type{});
+      } else if (has_depth) {
+        launch(std::true_type{}, std::false_type{}, std::true_type{});
+      } else {
+        launch(std::false_type{}, std::false_type{}, std::true_type{});
+      }
+    });
+  });
+}
+
+// Deterministic grad_feat [..., C] (every element written) from channels-last grad rows
+// [n_cells, C] and `order` (the stable sort of the points by ranks_feat, out-of-range dropped).
+void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
+                          Optional<TensorView> ranks_depth, TensorView ranks_feat,
+                          TensorView ranks_bev, TensorView order, TensorView grad_feat,
+                          int64_t points_per_block, int64_t stream) {
+  check_gpu_tensor(grad_feat, "grad_feat");
+  const Elem elem = elem_of(grad_feat, "grad_feat");
+  check_contiguous(grad_feat, "grad_feat");
+  const int64_t channels = feat_channels(grad_feat);
+  if (depth.has_value() != ranks_depth.has_value()) {
+    TVM_FFI_THROW(ValueError) << "depth and ranks_depth must be given together (or both None)";
+  }
+  const bool has_depth = depth.has_value();
+  const int64_t n = checked_points(ranks_bev);
+  check_ranks(ranks_bev, "ranks_bev", grad_feat, n);
+  check_ranks(ranks_feat, "ranks_feat", grad_feat, n);
+  if (has_depth) {
+    check_device(*depth, "depth", grad_feat);
+    check_same_dtype(*depth, "depth", grad_feat, "grad_feat");
+    check_contiguous(*depth, "depth");
+    check_ranks(*ranks_depth, "ranks_depth", grad_feat, n);
+  }
+  check_input(order, "order", grad_feat, kInt32);
+  check_ndim(order, "order", 1);
+  if (order.size(0) > n) {
+    TVM_FFI_THROW(ValueError) << "order has " << order.size(0) << " entries, more than the " << n
+                              << " points";
+  }
+  check_input(grad_rows, "grad_rows", grad_feat, grad_feat.dtype());
+  check_ndim(grad_rows, "grad_rows", 2);
+  check_size(grad_rows, "grad_rows", 1, channels);
+  if (grad_rows.size(0) > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "grad_rows has " << grad_rows.size(0) << " cells; at most " << INT_MAX;
+  }
+  const int64_t n_keys = channels > 0 ? grad_feat.numel() / channels : 0;
+  if (n_keys > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "feat has " << n_keys << " rows; ranks_feat (int32) reaches " << INT_MAX;
+  }
+  if (grad_feat.numel() == 0) return;
+  DeviceGuard guard(grad_feat.device().device_id);
+  const gpuStream_t s = as_stream(stream);
+  const int64_t n_sorted = order.size(0);
+  if (n_sorted == 0) return launch_zero(grad_feat.data_ptr(), grad_feat.numel() * elem_bytes(elem), s);
+  const int vec = pick_vec(elem, channels, {grad_rows.data_ptr(), grad_feat.data_ptr()});
+  dispatch_elem(elem, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_vec<T>(vec, [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const int tile_c = static_cast<int>(std::min<int64_t>(channels, kMaxLanes * VEC));
+      // No window here (rows are written whole): only the occupancy and slot bounds apply.
+      const int ppb = points_per_block_for(n_sorted, n_keys, 0, tile_c / VEC,
+                                           grad_feat.device().device_id, points_per_block);
+      const dim3 grid(static_cast<unsigned>((n_sorted + ppb - 1) / ppb),
+                      static_cast<unsigned>((channels / VEC + kMaxLanes - 1) / kMaxLanes));
+      const bool prezero = n_keys > kSparseKeysPerPoint * n_sorted;
+      if (prezero) {
+        launch_zero(grad_feat.data_ptr(), grad_feat.numel() * static_cast<int64_t>(sizeof(T)), s);
+      }
+      auto launch = [&](auto depth_tag) {
+        constexpr bool kHasDepth = decltype(depth_tag)::value;
+        GradRowGather<T, VEC, kHasDepth> gat;
+        gat.depth = kHasDepth ? static_cast<const T*>(data_or_null(depth)) : nullptr;
+        gat.rows = static_cast<const T*>(grad_rows.data_ptr());
+        gat.order = static_cast<const int*>(order.data_ptr());
+        gat.ranks_depth = kHasDepth ? static_cast<const int*>(data_or_null(ranks_depth)) : nullptr;
+        gat.ranks_feat = static_cast<const int*>(ranks_feat.data_ptr());
+        gat.ranks_bev = static_cast<const int*>(ranks_bev.data_ptr());
+        gat.n_points = static_cast<int>(n);
+        gat.n_depth = clamp_int(numel_or_zero(depth));
+        gat.n_cells = static_cast<int>(grad_rows.size(0));
+        gat.channels = static_cast<int>(channels);
+        gat.n_keys = static_cast<int>(n_keys);
+        grad_feat_sorted_kernel<T, VEC, kHasDepth><<<grid, kThreads, 0, s>>>(
+            gat, static_cast<T*>(grad_feat.data_ptr()), static_cast<int>(n_sorted), ppb,
+            static_cast<int>(channels), prezero ? 1 : 0);
+        check_launch("bev_pool_v2 grad_feat_sorted_kernel");
+      };
+      if (has_depth) {
+        launch(std::true_type{});
+      } else {
+        launch(std::false_type{});
+      }
+    });
+  });
+}
+
+}  // namespace
+}  // namespace bev_pool_v2
+}  // namespace muspace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_forward, muspace::bev_pool_v2::forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_backward, muspace::bev_pool_v2::backward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_backward_feat_sorted,
+                              muspace::bev_pool_v2::backward_feat_sorted);

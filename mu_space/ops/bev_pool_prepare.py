@@ -1,0 +1,625 @@
+"""`bev_pool_prepare`: the GPU replacement of BEVDet's `voxel_pooling_prepare_v2`, and
+`sort_by_cell`, the deterministic counting sort the BEV pooling operators share.
+
+bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size) -> BEVPoolRanks
+
+    coor: Tensor[B, N, D, H, W, 3]   ego-frame (x, y, z) of every lifted frustum point
+    q     = (coor - lower) / interval            per axis, in coor's dtype (BEVDet's formula)
+    cell  = q.long()                             truncation toward zero (see "quirk" below)
+    kept  = 0 <= cell_x < X  and  0 <= cell_y < Y  and  0 <= cell_z < Z
+    for each kept point p = ((((b*N + n)*D + d)*H + h)*W + w), sorted by ranks_bev:
+        ranks_bev   = b*Z*Y*X + cell_z*Y*X + cell_y*X + cell_x     (flat index into [B, Z, Y, X])
+        ranks_depth = p                                             (flat index into [B, N, D, H, W])
+        ranks_feat  = ((b*N + n)*H + h)*W + w                       (flat index into [B, N, H, W])
+    interval_starts, interval_lengths: the runs of equal ranks_bev in that order.
+
+All five outputs are int32 1-D tensors on coor's device: three of length n_kept, two of length
+n_intervals. The tuple order is `voxel_pooling_prepare_v2`'s, so it unpacks where that call was:
+
+    ranks_bev, ranks_depth, ranks_feat, interval_starts, interval_lengths = \\
+        mu_space.ops.bev_pool_prepare(coor, lower, interval, size)
+
+and `BEVPoolRanks.bev_pool_v2_args` puts them in BEVDet's `bev_pool_v2` order, so a model pools in
+two lines:
+
+    ranks = mu_space.ops.bev_pool_prepare(coor, lower, interval, size)
+    bev = mu_space.ops.bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(bev_feat_shape))
+
+(BEVDet: `bev_pool_v2(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape,
+interval_starts, interval_lengths)`.)
+
+Grid: `grid_lower_bound`, `grid_interval` are (x, y, z) numbers or 3-element tensors, used as
+float32 values (BEVDet keeps them in float32 tensors), then cast to coor's dtype as BEVDet's
+`.to(coor)` does; intervals must be positive. `grid_size` is (X, Y, Z) integers (integral floats
+and tensors, like BEVDet's float `grid_size`, are accepted). Tensors on a GPU are read back to the
+host (a sync): pass Python numbers or CPU tensors.
+
+Differences from upstream, all documented in docs/operators/bev_pool_prepare.md:
+- order inside an interval: ascending point index (a stable sort, deterministic); upstream's
+  `argsort` is not stable, so its order inside an interval is unspecified. The sets are equal.
+- no point in the grid: five empty int32 tensors (upstream returns None).
+- NaN / inf coordinates are dropped (upstream's `.long()` of NaN is platform-dependent).
+- quirk kept from upstream: `.long()` truncates toward zero, so q in (-1, 0) lands in cell 0;
+  points just below the lower bound (by less than one cell) are kept in the first cell.
+
+dtypes: float32 native. float16 / bfloat16: native, computing each operation in the input dtype
+exactly as upstream's `(coor - lower.to(coor)) / interval.to(coor)` does (every result rounded to
+the input dtype), so the cells equal upstream's bit for bit. float64: reference path (no FP64 in
+kernels).
+
+Native path (O(n + cells), deterministic, no float atomics): stage COUNT = per point its cell
+and an integer histogram, then a single-pass scan over the cells (segment starts, intervals,
+the two counts); stage ORDER = a scatter, then each cell's segment put in index order (counting
+for short segments, a block sort for long ones). Output sizes depend on the data, so the call
+reads two integers back to the host: ONE host synchronisation per call (the only one). Both
+stages are queued first; on CUDA the COUNT stage writes the counts straight into a pinned host
+buffer that the host polls (bounded spin, then a blocking event wait), so the host reads them
+while the GPU still runs the ORDER stage, and the outputs come back stream-ordered behind it.
+A workspace is kept per (device, stream, thread) and left clean by every call, so the zeroing
+launch runs only on first use. The op is not CUDA-graph capturable; prepare the ranks outside a
+captured region (as BEVDet's `init_acceleration_v2` does for a fixed rig).
+
+sort_by_cell(cell, n_cells) -> CellSort(order, interval_starts, interval_lengths)
+
+    cell: Tensor[n] int32 or int64; entries < 0 or >= n_cells are dropped
+    order: int32 [n_kept], the indices of the kept entries sorted by cell, ties by ascending index
+           (a stable sort); intervals: the runs of equal cell in that order.
+
+The internal primitive behind bev_pool_prepare, bev_pool, bev_pool_v3 and bev_pool_v2's
+deterministic backward. Cost O(n + n_cells) time and memory; one host sync (as above).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import os
+import struct
+import threading
+import time
+from typing import NamedTuple, Sequence
+
+import torch
+
+from mu_space.runtime import kernel_dispatch, native, registry
+from mu_space.runtime.device import stream_handle
+
+OP = "bev_pool_prepare"
+SORT_OP = "sort_by_cell"
+INT32_MAX = 2**31 - 1
+_COOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_NATIVE_COOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CELL_DTYPES = (torch.int32, torch.int64)
+
+
+class BEVPoolRanks(NamedTuple):
+    """`voxel_pooling_prepare_v2`'s outputs, in its order (int32 1-D tensors)."""
+
+    ranks_bev: torch.Tensor
+    ranks_depth: torch.Tensor
+    ranks_feat: torch.Tensor
+    interval_starts: torch.Tensor
+    interval_lengths: torch.Tensor
+
+    def bev_pool_v2_args(self, bev_feat_shape: Sequence[int]) -> tuple:
+        """The arguments of BEVDet's `bev_pool_v2` after `depth, feat`:
+        `(ranks_depth, ranks_feat, ranks_bev, bev_feat_shape, interval_starts, interval_lengths)`."""
+        return (self.ranks_depth, self.ranks_feat, self.ranks_bev, tuple(bev_feat_shape),
+                self.interval_starts, self.interval_lengths)
+
+
+class CellSort(NamedTuple):
+    """`sort_by_cell`'s outputs (int32 1-D tensors)."""
+
+    order: torch.Tensor
+    interval_starts: torch.Tensor
+    interval_lengths: torch.Tensor
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _as_float32(value: float) -> float:
+    """The float32 value nearest to `value` (what BEVDet's float32 grid tensors hold)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _three(value, name: str) -> list:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 3:
+            raise ValueError(f"{name} must have 3 values (x, y, z), got a tensor of {value.numel()}")
+        return value.detach().reshape(-1).tolist()  # a GPU tensor costs a sync here
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be 3 numbers (x, y, z), got {type(value).__name__}")
+    try:
+        values = list(value)
+    except TypeError:
+        raise TypeError(f"{name} must be 3 numbers (x, y, z), got {type(value).__name__}") from None
+    if len(values) != 3:
+        raise ValueError(f"{name} must have 3 values (x, y, z), got {len(values)}")
+    return values
+
+
+@functools.lru_cache(maxsize=256)
+def _grid_from_tuples(lower: tuple, interval: tuple, size: tuple):
+    try:
+        lo = tuple(_as_float32(float(v)) for v in lower)
+    except (TypeError, ValueError):
+        raise TypeError(f"grid_lower_bound must be 3 numbers, got {lower}") from None
+    try:
+        iv = tuple(_as_float32(float(v)) for v in interval)
+    except (TypeError, ValueError):
+        raise TypeError(f"grid_interval must be 3 numbers, got {interval}") from None
+    if not all(math.isfinite(v) for v in lo):
+        raise ValueError(f"grid_lower_bound must be finite, got {lower}")
+    if not all(math.isfinite(v) and v > 0 for v in iv):
+        raise ValueError(f"grid_interval must be positive and finite (as float32), got {interval}")
+    sz = []
+    for v in size:
+        try:
+            s = operator.index(v)
+        except TypeError:
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                raise TypeError(f"grid_size must be 3 integers (X, Y, Z), got {size}") from None
+            if not f.is_integer():
+                raise ValueError(f"grid_size must be 3 integers (X, Y, Z), got {size}; BEVDet's "
+                                 "float grid_size must be integral (round it)") from None
+            s = int(f)
+        if s <= 0:
+            raise ValueError(f"grid_size must be positive, got {size}")
+        sz.append(s)
+    return lo, iv, tuple(sz)
+
+
+def _grid(grid_lower_bound, grid_interval, grid_size, *, cached: bool = True):
+    """Validated ((lx, ly, lz) float32 values, (ix, iy, iz) float32 values, (X, Y, Z) ints)."""
+    lower = tuple(_three(grid_lower_bound, "grid_lower_bound"))
+    interval = tuple(_three(grid_interval, "grid_interval"))
+    size = tuple(_three(grid_size, "grid_size"))
+    if cached:  # eager calls: the parse costs ~10 us, a cache hit well under 1 us
+        try:
+            return _grid_from_tuples(lower, interval, size)
+        except TypeError as exc:
+            if "unhashable" not in str(exc):
+                raise
+    return _grid_from_tuples.__wrapped__(lower, interval, size)
+
+
+def _check_coor(coor) -> None:
+    if not isinstance(coor, torch.Tensor):
+        raise TypeError(f"coor must be a torch.Tensor, got {type(coor).__name__}")
+    if coor.dtype not in _COOR_DTYPES:
+        raise TypeError(f"coor must be float32, float16, bfloat16 or float64, got "
+                        f"{_dtype_name(coor.dtype)}")
+    if coor.dim() != 6 or coor.shape[-1] != 3:
+        raise ValueError(f"coor must be [B, N, D, H, W, 3], got {list(coor.shape)}")
+    n = coor.numel() // 3
+    if n > INT32_MAX:
+        raise ValueError(f"coor has {n} points; int32 ranks allow at most {INT32_MAX}")
+
+
+def _n_cells(batch: int, size: tuple) -> int:
+    x, y, z = size
+    n_cells = batch * x * y * z
+    if n_cells > INT32_MAX:
+        raise ValueError(f"B*X*Y*Z = {batch}*{x}*{y}*{z} = {n_cells} cells exceeds the int32 range "
+                         f"of ranks_bev ({INT32_MAX})")
+    return n_cells
+
+
+def _check_cell(cell, n_cells) -> int:
+    if not isinstance(cell, torch.Tensor):
+        raise TypeError(f"cell must be a torch.Tensor, got {type(cell).__name__}")
+    if cell.dtype not in _CELL_DTYPES:
+        raise TypeError(f"cell must be int32 or int64, got {_dtype_name(cell.dtype)}")
+    if cell.dim() != 1:
+        raise ValueError(f"cell must be 1-D, got {cell.dim()}-D")
+    if cell.numel() > INT32_MAX:
+        raise ValueError(f"cell has {cell.numel()} entries; int32 order allows at most {INT32_MAX}")
+    try:
+        n_cells = operator.index(n_cells)
+    except TypeError:
+        raise TypeError(f"n_cells must be an int, got {type(n_cells).__name__}") from None
+    if not 0 <= n_cells <= INT32_MAX:
+        raise ValueError(f"n_cells must be in [0, {INT32_MAX}], got {n_cells}")
+    return n_cells
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _empty_int32(device, k: int = 0) -> torch.Tensor:
+    return torch.empty(k, dtype=torch.int32, device=device)
+
+
+def _intervals(sorted_keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if sorted_keys.numel() == 0:
+        return _empty_int32(sorted_keys.device), _empty_int32(sorted_keys.device)
+    _, lengths = torch.unique_consecutive(sorted_keys, return_counts=True)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return starts.to(torch.int32), lengths.to(torch.int32)
+
+
+def _grid_cells(q: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, cell) of one axis: cell = trunc(q), kept = 0 <= cell < size (NaN/inf dropped)."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        q = q.float()  # exact; avoids comparing against bounds rounded to half
+    kept = (q > -1) & (q < 2.0**31)  # trunc(q) >= 0 <=> q > -1; NaN fails both tests
+    cell = torch.where(kept, q, torch.zeros((), dtype=q.dtype, device=q.device)).long()
+    return kept & (cell < size), cell
+
+
+def bev_pool_prepare_reference(coor: torch.Tensor, grid_lower_bound, grid_interval,
+                               grid_size) -> BEVPoolRanks:
+    """Vectorised PyTorch path (any device, float64 too); stable sort, so equal to native."""
+    _check_coor(coor)
+    lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size)
+    B, N, D, H, W, _ = coor.shape
+    _n_cells(B, size)  # validates the int32 range, as the native path does
+    n = B * N * D * H * W
+    device = coor.device
+    if n == 0:
+        return BEVPoolRanks(*(_empty_int32(device) for _ in range(5)))
+    lo = torch.tensor(lower, dtype=torch.float32, device=device).to(coor.dtype)
+    iv = torch.tensor(interval, dtype=torch.float32, device=device).to(coor.dtype)
+    q = (coor.reshape(n, 3) - lo) / iv  # BEVDet: ((coor - lower.to(coor)) / interval.to(coor))
+    X, Y, Z = size
+    kx, cx = _grid_cells(q[:, 0], X)
+    ky, cy = _grid_cells(q[:, 1], Y)
+    kz, cz = _grid_cells(q[:, 2], Z)
+    idx = torch.nonzero(kx & ky & kz).squeeze(1)  # ascending point index
+    batch = idx // (N * D * H * W)
+    rank = ((batch * Z + cz[idx]) * Y + cy[idx]) * X + cx[idx]
+    ranks_bev, perm = torch.sort(rank, stable=True)
+    ranks_depth = idx[perm]
+    hw = H * W
+    ranks_feat = (ranks_depth // (D * hw)) * hw + ranks_depth % hw
+    starts, lengths = _intervals(ranks_bev)
+    return BEVPoolRanks(ranks_bev.to(torch.int32), ranks_depth.to(torch.int32),
+                        ranks_feat.to(torch.int32), starts, lengths)
+
+
+def sort_by_cell_reference(cell: torch.Tensor, n_cells: int) -> CellSort:
+    """Vectorised PyTorch path: a stable sort of the in-range entries by cell."""
+    n_cells = _check_cell(cell, n_cells)
+    kept = (cell >= 0) & (cell < n_cells)
+    idx = torch.nonzero(kept).squeeze(1)
+    keys, perm = torch.sort(cell[idx], stable=True)
+    starts, lengths = _intervals(keys)
+    return CellSort(idx[perm].to(torch.int32), starts, lengths)
+
+
+# --------------------------------------------------------------------------- native
+
+# flags of the native entry points (csrc/bev/bev_pool_prepare_musa.mu)
+_STAGE_COUNT = 1       # zero (unless clean) + cells + scan: the counts are final after it
+_STAGE_ORDER = 2       # scatter + emit
+_WORKSPACE_CLEAN = 4   # the workspace's zero region is zero (true after any completed COUNT)
+_POLICY_AGGREGATE = 8  # block-aggregated histogram atomics
+
+
+def _policy_from_env() -> int:
+    """Profiling knob MUSPACE_BEV_POOL_PREPARE_AGGREGATE=0/1 (block-aggregated histogram)."""
+    value = os.environ.get("MUSPACE_BEV_POOL_PREPARE_AGGREGATE", "").strip().lower()
+    return _POLICY_AGGREGATE if value in ("1", "true", "yes", "on") else 0
+
+
+_POLICY = _policy_from_env()  # read once; tests and benchmarks may assign it
+
+# How the two counts reach the host (profiling knob MUSPACE_BEV_POOL_PREPARE_READBACK):
+#   "zerocopy" (CUDA default): the COUNT stage writes them into a pinned host buffer that the host
+#              polls, with no copy and no driver wait on the critical path;
+#   "event":   a non-blocking copy into pinned memory after the COUNT stage, then an event;
+#   "sync":    both stages, then `workspace[:2].tolist()` (the only mode off CUDA).
+# In the first two the ORDER stage is queued before the host waits, so the host reads the counts
+# while the GPU still orders the points.
+_READBACK = os.environ.get("MUSPACE_BEV_POOL_PREPARE_READBACK", "zerocopy").strip().lower()
+# The host polls for the counts for at most this long, then blocks on the event (releasing the
+# GIL): bounded CPU use when the stream has a long queue ahead of the call.
+_SPIN_LIMIT_S = 2e-3
+
+
+@functools.lru_cache(maxsize=64)
+def _workspace_ints(n: int, n_cells: int) -> int:
+    return int(native.function("bev_pool_sort_workspace_ints")(n, n_cells))
+
+
+class _NativeState:
+    """What one (op, device, stream, thread) keeps between calls: the workspace, whether its
+    zero region is known zero (every COUNT stage leaves it so: the zeroing launch runs once),
+    and on CUDA a pinned host buffer and an event for reading the two counts back early."""
+
+    __slots__ = ("workspace", "n_cells", "clean", "head", "host", "host_head", "host_np",
+                 "host_ptr", "sequence", "event", "stream")
+
+    def __init__(self, device: torch.device, ints: int):
+        self.workspace = torch.empty(ints, dtype=torch.int32, device=device)
+        self.n_cells = -1
+        self.clean = False
+        self.event = None
+        if device.type == "cuda":
+            self.head = self.workspace[:2]
+            self.host = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+            self.host_head = self.host[:2]
+            self.host_np = self.host.numpy()
+            self.host_ptr = self.host.data_ptr()
+            self.sequence = 0
+            self.event = torch.cuda.Event()
+            self.stream = torch.cuda.current_stream(device)
+
+
+_STATES: dict = {}
+_MAX_STATES = 16  # distinct (op, device, stream, thread) keys kept; the oldest goes first
+
+
+def _native_state(op: str, device: torch.device, stream: int, n_cells: int,
+                  ints: int) -> _NativeState:
+    key = (op, device.type, device.index, stream, threading.get_ident())
+    st = _STATES.get(key)
+    if st is None or st.workspace.numel() < ints:
+        if st is None and len(_STATES) >= _MAX_STATES:
+            _STATES.pop(next(iter(_STATES)))
+        # grow with headroom: sort_by_cell's n (bev_pool_v2's n_kept) changes every step
+        st = _STATES[key] = _NativeState(device, ints if st is None else ints + ints // 4)
+    if st.n_cells != n_cells:  # the zero region depends on n_cells only
+        st.n_cells = n_cells
+        st.clean = False
+    return st
+
+
+def _wait(st: _NativeState, ready) -> None:
+    """Poll `ready()` for up to _SPIN_LIMIT_S, then block on the event."""
+    if ready():
+        return
+    limit = time.perf_counter() + _SPIN_LIMIT_S
+    while not ready():
+        if time.perf_counter() > limit:
+            st.event.synchronize()
+            return
+
+
+def _run_native(entry, args: tuple, st: _NativeState, stream: int, n: int,
+                cap: int) -> tuple[int, int]:
+    """Queue both stages and return (n_kept, n_intervals): the one host synchronisation."""
+    global _READBACK
+    clean = _WORKSPACE_CLEAN if st.clean else 0
+    mode = _READBACK if st.event is not None else "sync"
+    st.clean = False  # until the COUNT stage is queued without error
+    if mode == "zerocopy":
+        h = st.host_np
+        sequence = st.sequence = st.sequence % 0x3FFFFFFF + 1
+        h[2] = 0
+        entry(*args, _STAGE_COUNT | clean | _POLICY, st.host_ptr, sequence, stream)
+        st.clean = True
+        st.event.record(st.stream)
+        entry(*args, _STAGE_ORDER | _POLICY, 0, 0, stream)
+        _wait(st, lambda: h[2] == sequence)
+        if h[2] != sequence:  # the event completed without the write: never seen; stay safe
+            st.event.synchronize()
+            if h[2] != sequence:
+                _READBACK = "event"
+                n_kept, n_intervals = st.workspace[:2].tolist()
+            else:
+                n_kept, n_intervals = int(h[0]), int(h[1])
+        else:
+            n_kept, n_intervals = int(h[0]), int(h[1])
+    elif mode == "event":
+        entry(*args, _STAGE_COUNT | clean | _POLICY, 0, 0, stream)
+        st.clean = True
+        st.host_head.copy_(st.head, non_blocking=True)
+        st.event.record(st.stream)
+        entry(*args, _STAGE_ORDER | _POLICY, 0, 0, stream)
+        _wait(st, st.event.query)
+        n_kept, n_intervals = int(st.host_np[0]), int(st.host_np[1])
+    else:
+        entry(*args, _STAGE_COUNT | _STAGE_ORDER | clean | _POLICY, 0, 0, stream)
+        st.clean = True
+        n_kept, n_intervals = st.workspace[:2].tolist()
+    if not (0 <= n_kept <= n and 0 <= n_intervals <= min(cap, n_kept)):
+        raise RuntimeError(f"{OP}: native counts out of range (n_kept={n_kept}, "
+                           f"n_intervals={n_intervals}, n={n}); please report this")
+    return n_kept, n_intervals
+
+
+def _prepare_native(coor, lower, interval, size, n, n_cells) -> BEVPoolRanks:
+    coor = coor.detach().contiguous()  # documented: a non-contiguous coor costs one copy
+    device = coor.device
+    cap = min(n, n_cells)
+    stream = stream_handle(coor)
+    st = _native_state(OP, device, stream, n_cells, _workspace_ints(n, n_cells))
+    outs = (torch.empty(n, dtype=torch.int32, device=device),
+            torch.empty(n, dtype=torch.int32, device=device),
+            torch.empty(n, dtype=torch.int32, device=device),
+            torch.empty(cap, dtype=torch.int32, device=device),
+            torch.empty(cap, dtype=torch.int32, device=device))
+    k, m = _run_native(native.function("bev_pool_prepare_forward"),
+                       (coor, st.workspace, *outs, *lower, *interval, *size), st, stream, n, cap)
+    # shrink in place (metadata only; the ORDER stage may still be writing them)
+    outs[0].resize_(k)
+    outs[1].resize_(k)
+    outs[2].resize_(k)
+    outs[3].resize_(m)
+    outs[4].resize_(m)
+    return BEVPoolRanks(*outs)
+
+
+def _sort_native(cell, n_cells) -> CellSort:
+    cell = cell.contiguous()  # a non-contiguous cell costs one copy
+    n = cell.numel()
+    device = cell.device
+    cap = min(n, n_cells)
+    stream = stream_handle(cell)
+    st = _native_state(SORT_OP, device, stream, n_cells, _workspace_ints(n, n_cells))
+    order = torch.empty(n, dtype=torch.int32, device=device)
+    starts = torch.empty(cap, dtype=torch.int32, device=device)
+    lengths = torch.empty(cap, dtype=torch.int32, device=device)
+    k, m = _run_native(native.function("sort_by_cell_forward"),
+                       (cell, st.workspace, order, starts, lengths, n_cells), st, stream, n, cap)
+    order.resize_(k)
+    starts.resize_(m)
+    lengths.resize_(m)
+    return CellSort(order, starts, lengths)
+
+
+# --------------------------------------------------------------------------- implementations
+
+
+def _prepare_unsupported(coor: torch.Tensor) -> str | None:
+    if coor.dtype not in _NATIVE_COOR_DTYPES:
+        return f"coor dtype {_dtype_name(coor.dtype)} has no native kernel (no FP64 in kernels)"
+    return None
+
+
+def _bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size,
+                      backend: str) -> BEVPoolRanks:
+    _check_coor(coor)
+    lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size)
+    B = coor.shape[0]
+    n_cells = _n_cells(B, size)
+    if not kernel_dispatch.use_native(OP, backend, coor.device, _prepare_unsupported(coor)):
+        return bev_pool_prepare_reference(coor, lower, interval, size)
+    n = coor.numel() // 3
+    if n == 0:
+        return BEVPoolRanks(*(_empty_int32(coor.device) for _ in range(5)))
+    return _prepare_native(coor, lower, interval, size, n, n_cells)
+
+
+def _sort_by_cell(cell, n_cells, backend: str) -> CellSort:
+    n_cells = _check_cell(cell, n_cells)
+    if not kernel_dispatch.use_native(SORT_OP, backend, cell.device):
+        return sort_by_cell_reference(cell, n_cells)
+    if cell.numel() == 0 or n_cells == 0:
+        return CellSort(*(_empty_int32(cell.device) for _ in range(3)))
+    return _sort_native(cell, n_cells)
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("mu_space::bev_pool_prepare", mutates_args=())
+def _bev_pool_prepare_op(coor: torch.Tensor, grid_lower_bound: list[float],
+                         grid_interval: list[float], grid_size: list[int], backend: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor]:
+    return tuple(_bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size, backend))
+
+
+@_bev_pool_prepare_op.register_fake
+def _(coor, grid_lower_bound, grid_interval, grid_size, backend):
+    ctx = torch.library.get_ctx()
+    n_kept, n_intervals = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    ranks = [coor.new_empty(n_kept, dtype=torch.int32) for _ in range(3)]
+    return (*ranks, *(coor.new_empty(n_intervals, dtype=torch.int32) for _ in range(2)))
+
+
+@torch.library.custom_op("mu_space::sort_by_cell", mutates_args=())
+def _sort_by_cell_op(cell: torch.Tensor, n_cells: int, backend: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(_sort_by_cell(cell, n_cells, backend))
+
+
+@_sort_by_cell_op.register_fake
+def _(cell, n_cells, backend):
+    ctx = torch.library.get_ctx()
+    n_kept, n_intervals = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    return (cell.new_empty(n_kept, dtype=torch.int32),
+            cell.new_empty(n_intervals, dtype=torch.int32),
+            cell.new_empty(n_intervals, dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def bev_pool_prepare(coor: torch.Tensor, grid_lower_bound, grid_interval, grid_size, *,
+                     backend: str = "auto") -> BEVPoolRanks:
+    """Ranks and intervals for `bev_pool_v2` from frustum coordinates (BEVDet's
+    `voxel_pooling_prepare_v2`); see the module docstring for the formula and differences.
+
+    Args:
+        coor: Tensor[B, N, D, H, W, 3] float32 (native), float16 / bfloat16 (native, upstream's
+            arithmetic in that dtype), float64 (reference path); ego-frame x, y, z.
+        grid_lower_bound, grid_interval: (x, y, z) numbers or tensors (used as float32).
+        grid_size: (X, Y, Z) integers.
+        backend: "auto" | "native" | "cuda" | "musa" | "reference".
+
+    Returns:
+        BEVPoolRanks(ranks_bev, ranks_depth, ranks_feat, interval_starts, interval_lengths),
+        int32 1-D on coor's device; empty tensors when no point falls in the grid.
+
+    Usage:
+        ranks = mu_space.ops.bev_pool_prepare(coor, lower, interval, size)
+        bev = mu_space.ops.bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(bev_feat_shape))
+
+    One host synchronisation per call (the output sizes depend on the data).
+    """
+    if torch.compiler.is_compiling():
+        lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size, cached=False)
+        return BEVPoolRanks(*torch.ops.mu_space.bev_pool_prepare(
+            coor, list(lower), list(interval), list(size), backend))
+    return _bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size, backend)
+
+
+def sort_by_cell(cell: torch.Tensor, n_cells: int, *, backend: str = "auto") -> CellSort:
+    """Stable, deterministic counting sort of `cell` (int32/int64 [n]) over [0, n_cells).
+
+    Entries outside [0, n_cells) are dropped. Returns CellSort(order, interval_starts,
+    interval_lengths), int32: `order` = indices of the kept entries sorted by cell, ties by
+    ascending index; intervals = runs of equal cell in `order`. One host synchronisation.
+    """
+    if torch.compiler.is_compiling():
+        return CellSort(*torch.ops.mu_space.sort_by_cell(cell, n_cells, backend))
+    return _sort_by_cell(cell, n_cells, backend)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def _small_bevdet_config():
+    from mu_space.testing import bev_geometry
+
+    return bev_geometry.BEVConfig("bevdet-small", batch=2, feature_hw=(8, 22),
+                                  depth=(1.0, 60.0, 2.0), channels=8)
+
+
+def _prepare_case(label: str, cfg, device) -> registry.SelfCheckCase:
+    from mu_space.testing import bev_geometry
+
+    g = bev_geometry.make(cfg)
+    return registry.SelfCheckCase(label, (g["coor"].to(device), g["grid_lower_bound"],
+                                          g["grid_interval"], g["grid_size"]))
+
+
+def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
+    return [_prepare_case("tiny", "tiny", device),
+            _prepare_case("bevdet-like B=2 [2,6,30,8,22]", _small_bevdet_config(), device)]
+
+
+def _sort_self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
+    g = torch.Generator().manual_seed(0)
+    cell = torch.randint(-50, 1100, (20000,), generator=g)
+    return [registry.SelfCheckCase("int64 [20000], 1000 cells", (cell.to(device), 1000)),
+            registry.SelfCheckCase("int32 [20000], 7 cells", (cell.int().to(device) % 9 - 1, 7))]
+
+
+registry.register(registry.OperatorSpec(
+    name=OP, family="bev", api=bev_pool_prepare, reference=bev_pool_prepare_reference,
+    native_entry_points=("bev_pool_prepare_forward", "bev_pool_sort_workspace_ints"),
+    self_check_cases=_self_check_cases, dtypes=("float32", "float16", "bfloat16"),
+    backward="no", upstream="BEVDet `voxel_pooling_prepare_v2`",
+    models="BEVDet, BEVDepth, FlashOCC", doc="docs/operators/bev_pool_prepare.md"))
+
+registry.register(registry.OperatorSpec(
+    name=SORT_OP, family="bev", api=sort_by_cell, reference=sort_by_cell_reference,
+    native_entry_points=("sort_by_cell_forward", "bev_pool_sort_workspace_ints"),
+    self_check_cases=_sort_self_check_cases, dtypes=("int32", "int64"), backward="no",
+    public=False))

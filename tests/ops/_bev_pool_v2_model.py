@@ -1,0 +1,133 @@
+"""A line-by-line Python model of the segmented block sum in csrc/bev/bev_pool_v2_musa.mu
+(find_owned_runs, owned_range, pool_runs, the two sinks, zero_unmarked), so the partition and
+ownership logic runs on machines without a GPU. It mirrors the kernel's control flow per block and
+per slot (not per lane: a lane's channels are summed as one vector) and counts the writes to each
+output key, so tests can check that every key is written exactly once and holds the right sum.
+Keep it in step with the kernel when the algorithm changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+NOT_FOUND = 2**31 - 1
+
+
+def _run_start(keys, j):
+    return j == 0 or keys[j] != keys[j - 1]
+
+
+def _find_owned_runs(keys, n, p0, p1, span):
+    q0 = 0 if p0 == 0 else NOT_FOUND
+    q1 = NOT_FOUND
+    base = 0
+    while True:
+        searching0 = q0 == NOT_FOUND and p0 + base < p1
+        owns_nothing = q0 == NOT_FOUND and p0 + base >= p1
+        searching1 = not owns_nothing and q1 == NOT_FOUND and p1 + base < n
+        if not searching0 and not searching1:
+            break
+        for off in range(base, base + span):
+            if searching0 and p0 + off < p1 and _run_start(keys, p0 + off):
+                q0 = min(q0, p0 + off)
+            if searching1 and p1 + off < n and _run_start(keys, p1 + off):
+                q1 = min(q1, p1 + off)
+        base += span
+    return q0, (n if q1 == NOT_FOUND else q1)
+
+
+def _clamp(key, n_keys):
+    return min(max(int(key), 0), n_keys)
+
+
+def segmented_pool(keys, values, n_keys, *, points_per_block, lanes, threads=256, window=0,
+                   bitmap_bits=4096, search_span=1024):
+    """Model of forward_kernel (window > 0: StagedChannelsFirst) / grad_feat_sorted_kernel
+    (window = 0: Rows). keys: int [n] segment keys; values: float64 [n, C] = weight * row (0 for a
+    bad point). Returns (out [n_keys, C] float64, writes [n_keys] int, partial_sum_slots).
+    NaN in `out` marks a key never written."""
+    keys = [int(k) for k in keys]
+    n = len(keys)
+    C = values.shape[1]
+    out = np.full((n_keys, C), np.nan)
+    writes = np.zeros(n_keys, dtype=np.int64)
+    crossings = 0
+    n_blocks = math.ceil(n / points_per_block)
+    for blk in range(n_blocks):
+        p0 = blk * points_per_block
+        p1 = min(p0 + points_per_block, n)
+        q0, q1 = _find_owned_runs(keys, n, p0, p1, search_span)
+        if q0 == NOT_FOUND:
+            continue
+        lo = 0 if blk == 0 else _clamp(keys[q0], n_keys)
+        hi = max(lo, n_keys if q1 >= n else _clamp(keys[q1], n_keys))
+        win = min(window, hi - lo) if window else 0
+        z0 = lo + win
+        stage = np.zeros((max(win, 0), C))
+        bitmap = set()
+
+        def emit(x, v):
+            if x < 0 or x >= n_keys:
+                return
+            if lo <= x < lo + win:
+                stage[x - lo] = v
+            else:
+                out[x] = v
+                writes[x] += 1
+                if 0 <= x - z0 < bitmap_bits:
+                    bitmap.add(x - z0)
+
+        S = threads // lanes
+        n_own = q1 - q0
+        K = -(-n_own // S)
+        part, flags, pending = {}, {}, {}
+        for slot in range(S):
+            a = q0 + min(slot * K, n_own)
+            b = min(a + K, q1)
+            if a >= b:
+                continue
+            cur = keys[a]
+            first_open = a > q0 and keys[a - 1] == cur
+            seg_first = True
+            acc = np.zeros(C)
+            for i in range(a, b):
+                if keys[i] != cur:
+                    if seg_first and first_open:
+                        part[slot] = acc.copy()
+                    else:
+                        emit(cur, acc)
+                    seg_first = False
+                    cur = keys[i]
+                    acc = np.zeros(C)
+                acc = acc + values[i]
+            open_end = b < q1 and keys[b] == cur
+            if seg_first and first_open:
+                part[slot] = acc.copy()
+            elif open_end:
+                pending[slot] = (cur, acc)
+            else:
+                emit(cur, acc)
+            flags[slot] = (seg_first, open_end)
+        for slot, (cur, acc) in pending.items():  # after the barrier
+            for s in range(slot + 1, S):
+                crossings += 1
+                acc = acc + part[s]
+                if flags[s] != (True, True):
+                    break
+            emit(cur, acc)
+        for w in range(win):  # flush
+            out[lo + w] = stage[w]
+            writes[lo + w] += 1
+        start = z0
+        while start < hi:  # zero_unmarked
+            if start != z0:
+                bitmap = {int(keys[j]) - start for j in range(q0, q1)
+                          if 0 <= int(keys[j]) - start < bitmap_bits}
+            for d in range(min(bitmap_bits, hi - start)):
+                if d not in bitmap:
+                    out[start + d] = 0.0
+                    writes[start + d] += 1
+            start += bitmap_bits
+    return out, writes, crossings

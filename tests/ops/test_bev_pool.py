@@ -1,0 +1,421 @@
+"""bev_pool (BEVFusion API). Reference tests always; the native composition with contract fakes on
+CPU; native (GPU) tests skip without a GPU.
+
+Inputs come from real frustum geometry built the way BEVFusion's vtransform builds them
+(mu_space.testing.bev_pool_inputs.bevfusion_inputs).
+"""
+
+import pytest
+import torch
+
+import mu_space
+from mu_space.ops.bev_pool import bev_pool, bev_pool_reference
+from mu_space.ops.bev_pool_v3 import _coords_to_cells
+from mu_space.runtime import kernel_dispatch, registry
+from mu_space.runtime.kernel_dispatch import DispatchError
+from mu_space.testing.bev_pool_inputs import bevfusion_inputs
+from tests.helpers import assert_close, native_gpu_device, tolerance
+from tests.ops import _bev_fakes
+
+
+def loop_bev_pool(feats, coords, B, D, H, W):
+    """Independent straightforward computation: one Python loop over the points, float64."""
+    out = torch.zeros(B, feats.shape[1], D, H, W, dtype=torch.float64)
+    for (x, y, z, b), f in zip(coords.tolist(), feats.detach().double().cpu()):
+        if 0 <= x < H and 0 <= y < W and 0 <= z < D and 0 <= b < B:
+            out[b, :, z, x, y] += f
+    return out
+
+
+def args_of(a):
+    return a["feats"], a["coords"], a["B"], a["D"], a["H"], a["W"]
+
+
+# ---------------------------------------------------------------- reference path
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("keep_out_of_range", [False, True])
+def test_reference_matches_loop_on_frustum_geometry(batch, keep_out_of_range):
+    a = bevfusion_inputs("tiny", batch=batch, keep_out_of_range=keep_out_of_range, dtype=torch.float64)
+    got = bev_pool(*args_of(a))
+    want = loop_bev_pool(*args_of(a))
+    assert got.shape == (batch, 5, a["D"], a["H"], a["W"]) and got.dtype == torch.float64
+    assert got.is_contiguous()
+    assert_close(got, want, **tolerance(torch.float64))
+    assert (got != 0).any(dim=1).sum() > 100  # the geometry really fills the grid
+    assert torch.equal(bev_pool_reference(*args_of(a)), got)
+
+
+def test_float32_reference_matches_loop():
+    a = bevfusion_inputs("tiny", batch=2)
+    # float32 sums of up to ~100 products of magnitude <= ~4: error ~1e-6
+    assert_close(bev_pool(*args_of(a)).double(), loop_bev_pool(*args_of(a)), atol=1e-5, rtol=1e-5)
+
+
+def test_output_layout_matches_bevfusion():
+    """coords (x, y, z, b): x indexes H, y indexes W, z indexes D -> out[b, :, z, x, y]."""
+    feats = torch.tensor([[1.0, 2.0, 3.0]])
+    coords = torch.tensor([[3, 1, 1, 1]])
+    out = bev_pool(feats, coords, 2, 2, 4, 5)
+    assert out.shape == (2, 3, 2, 4, 5)
+    assert torch.equal(out[1, :, 1, 3, 1], feats[0])
+    out[1, :, 1, 3, 1] = 0
+    assert not out.any()
+
+
+def test_every_point_in_one_cell_sums():
+    feats = torch.randn(1000, 7, dtype=torch.float64)
+    coords = torch.tensor([[2, 0, 0, 0]]).expand(1000, 4)
+    out = bev_pool(feats, coords, 1, 1, 3, 2)
+    assert_close(out[0, :, 0, 2, 0], feats.sum(0), atol=1e-12, rtol=1e-12)
+    out[0, :, 0, 2, 0] = 0
+    assert not out.any()
+
+
+def test_out_of_range_coords_are_dropped_per_column():
+    """Any coordinate outside its dimension drops the point; y == W must not wrap into x + 1."""
+    B, D, H, W = 2, 1, 3, 4
+    bad = [[-1, 0, 0, 0], [H, 0, 0, 0], [0, -1, 0, 0], [0, W, 0, 0], [0, 0, -1, 0], [0, 0, D, 0],
+           [0, 0, 0, -1], [0, 0, 0, B], [2**40, 0, 0, 0], [-2**40, 3, 0, 1]]
+    coords = torch.tensor(bad + [[1, 2, 0, 1]])
+    feats = torch.arange(1, len(bad) + 2, dtype=torch.float32).unsqueeze(1).repeat(1, 3)
+    out = bev_pool(feats, coords, B, D, H, W)
+    want = torch.zeros(B, 3, D, H, W)
+    want[1, :, 0, 1, 2] = float(len(bad) + 1)
+    assert torch.equal(out, want)
+    # int32 coords (DrivingSDK style), the in-int32-range bad rows only
+    assert torch.equal(bev_pool(feats[:8], coords.int()[:8], B, D, H, W), torch.zeros(B, 3, D, H, W))
+
+
+def test_empty_input_and_empty_grid():
+    feats = torch.zeros(0, 5, requires_grad=True)
+    out = bev_pool(feats, torch.zeros(0, 4, dtype=torch.int64), 2, 1, 3, 4)
+    assert out.shape == (2, 5, 1, 3, 4) and not out.any()
+    out.sum().backward()
+    assert feats.grad.shape == (0, 5)
+    assert bev_pool(torch.randn(4, 3), torch.zeros(4, 4, dtype=torch.int32), 0, 1, 3, 4).shape == (0, 3, 1, 3, 4)
+    assert bev_pool(torch.randn(4, 0), torch.zeros(4, 4, dtype=torch.int32), 1, 1, 3, 4).shape == (1, 0, 1, 3, 4)
+
+
+def test_one_point():
+    out = bev_pool(torch.tensor([[5.0, -1.0]]), torch.tensor([[0, 0, 0, 0]], dtype=torch.int32), 1, 1, 1, 1)
+    assert torch.equal(out, torch.tensor([5.0, -1.0]).view(1, 2, 1, 1, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_accumulates_in_float32(dtype):
+    a = bevfusion_inputs("tiny", batch=2, dtype=dtype)
+    got = bev_pool(*args_of(a))
+    assert got.dtype == dtype
+    want = loop_bev_pool(*args_of(a)).to(dtype)  # exact sum, one rounding
+    assert_close(got, want, **tolerance(dtype))
+
+
+def test_result_does_not_depend_on_point_order():
+    a = bevfusion_inputs("tiny", batch=2, dtype=torch.float64)
+    perm = torch.randperm(a["feats"].shape[0])
+    assert_close(bev_pool(a["feats"][perm], a["coords"][perm], a["B"], a["D"], a["H"], a["W"]),
+                 bev_pool(*args_of(a)), atol=1e-12, rtol=1e-12)
+
+
+def test_reference_is_deterministic():
+    a = bevfusion_inputs("tiny", batch=2)
+    first = bev_pool(*args_of(a))
+    for _ in range(3):
+        assert torch.equal(bev_pool(*args_of(a)), first)
+
+
+def test_gradcheck_float64():
+    a = bevfusion_inputs("tiny", batch=2, channels=3, dtype=torch.float64, keep_out_of_range=True)
+    idx = torch.randperm(a["feats"].shape[0])[:300]
+    feats = a["feats"][idx].clone().requires_grad_(True)
+    coords = a["coords"][idx]
+    assert torch.autograd.gradcheck(lambda f: bev_pool(f, coords, a["B"], a["D"], a["H"], a["W"]), (feats,))
+
+
+def test_grad_is_the_output_grad_at_each_points_cell():
+    a = bevfusion_inputs("tiny", batch=2, keep_out_of_range=True, dtype=torch.float64)
+    feats = a["feats"].clone().requires_grad_(True)
+    out = bev_pool(feats, a["coords"], a["B"], a["D"], a["H"], a["W"])
+    g = torch.randn_like(out)
+    out.backward(g)
+    x, y, z, b = a["coords"].unbind(1)
+    ok = (x >= 0) & (x < a["H"]) & (y >= 0) & (y < a["W"]) & (z >= 0) & (z < a["D"]) & (b >= 0) & (b < a["B"])
+    assert (~ok).any()
+    want = torch.zeros_like(feats)
+    want[ok] = g.permute(0, 2, 3, 4, 1)[b[ok], z[ok], x[ok], y[ok]]
+    assert torch.equal(feats.grad, want)
+
+
+def test_accepts_zero_dim_tensor_dims_like_bevfusion():
+    """BEVFusion passes `self.nx[2], self.nx[0], self.nx[1]` (0-d LongTensor elements)."""
+    a = bevfusion_inputs("tiny")
+    nx = torch.tensor([a["H"], a["W"], a["D"]])
+    assert torch.equal(bev_pool(a["feats"], a["coords"], a["B"], nx[2], nx[0], nx[1]), bev_pool(*args_of(a)))
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda f, c: bev_pool(f.tolist(), c, 1, 1, 20, 20), TypeError, "feats must be a torch.Tensor, got list"),
+    (lambda f, c: bev_pool(f.int(), c, 1, 1, 20, 20), TypeError, "feats must be a floating tensor, got int32"),
+    (lambda f, c: bev_pool(f[:, 0], c, 1, 1, 20, 20), ValueError, "feats must be 2-D"),
+    (lambda f, c: bev_pool(f, c.float(), 1, 1, 20, 20), TypeError, "coords must be int32 or int64, got float32"),
+    (lambda f, c: bev_pool(f, c[:, :3], 1, 1, 20, 20), ValueError, r"coords must be \[n, 4\]"),
+    (lambda f, c: bev_pool(f, c[1:], 1, 1, 20, 20), ValueError, r"coords.shape\[0\] must be"),
+    (lambda f, c: bev_pool(f, c, -1, 1, 20, 20), ValueError, "B must be >= 0, got -1"),
+    (lambda f, c: bev_pool(f, c, 1, 1.5, 20, 20), TypeError, "D must be an integer, got float"),
+    (lambda f, c: bev_pool(f, c.to("meta"), 1, 1, 20, 20), ValueError, "coords must be on cpu"),
+    (lambda f, c: bev_pool(f, c, 1, 1, 20, 20, backend="triton"), ValueError, "backend must be one of"),
+])
+def test_bad_inputs_name_the_argument(call, error, message):
+    a = bevfusion_inputs("tiny")
+    with pytest.raises(error, match=message):
+        call(a["feats"], a["coords"])
+
+
+def test_torch_compile_fullgraph_reference():
+    a = bevfusion_inputs("tiny", batch=2, keep_out_of_range=True)
+    B, D, H, W = a["B"], a["D"], a["H"], a["W"]
+    fn = torch.compile(lambda f, c: bev_pool(f, c, B, D, H, W) * 2, backend="eager", fullgraph=True)
+    assert torch.equal(fn(a["feats"], a["coords"]), bev_pool(*args_of(a)) * 2)
+    fn = torch.compile(lambda f, c: bev_pool(f, c, B, D, H, W), fullgraph=True, dynamic=True)
+    feats = a["feats"].clone().requires_grad_(True)
+    out = fn(feats, a["coords"])
+    assert_close(out, bev_pool(*args_of(a)), atol=1e-5, rtol=1e-5)
+    out.sum().backward()
+    assert feats.grad is not None
+
+
+def test_dispatch_on_cpu_falls_back_and_strict_or_native_refuses():
+    a = bevfusion_inputs("tiny")
+    bev_pool(*args_of(a))
+    (row,) = kernel_dispatch.records()
+    assert row["op"] == "bev_pool" and row["backend"] == "reference" and "cpu" in row["reason"]
+    with pytest.raises(DispatchError):
+        bev_pool(*args_of(a), backend="native")
+    kernel_dispatch.set_strict(True)
+    with pytest.raises(DispatchError, match="strict"):
+        bev_pool(*args_of(a))
+    bev_pool(*args_of(a), backend="reference")  # explicit reference is always allowed
+
+
+def test_registry_entry():
+    spec = registry.get("bev_pool")
+    assert spec.family == "bev" and spec.public and spec.api is mu_space.ops.bev_pool
+    assert spec.upstream == "BEVFusion bev_pool" and spec.doc == "docs/operators/bev_pool.md"
+    assert spec.self_check_cases(torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- native composition, CPU fakes
+
+
+@pytest.mark.parametrize("int_dtype", [torch.int64, torch.int32])
+def test_native_composition_with_contract_fakes(monkeypatch, int_dtype):
+    calls = _bev_fakes.install(monkeypatch)
+    a = bevfusion_inputs("tiny", batch=2, keep_out_of_range=True)  # float32: a native dtype
+    coords = a["coords"].to(int_dtype)
+    feats = a["feats"].clone().requires_grad_(True)
+    out = bev_pool(feats, coords, a["B"], a["D"], a["H"], a["W"])
+    assert calls.sort is not None and calls.pool is not None, "the native composition did not run"
+    assert calls.sort["cell"].dtype == torch.int32 and calls.sort["backend"] == "auto"
+    assert calls.pool["depth"] is None and calls.pool["ranks_depth"] is None
+    assert calls.pool["bev_feat_shape"] == (a["B"], a["D"], a["H"], a["W"], 5)
+    assert calls.sort["n_cells"] == a["B"] * a["D"] * a["H"] * a["W"]
+    # the fake sums in float64 and rounds once
+    assert_close(out.double(), loop_bev_pool(feats, coords, a["B"], a["D"], a["H"], a["W"]), atol=1e-6, rtol=1e-6)
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref_feats = a["feats"].clone().requires_grad_(True)
+    bev_pool(ref_feats, coords, a["B"], a["D"], a["H"], a["W"], backend="reference").backward(g)
+    assert torch.equal(feats.grad, ref_feats.grad)
+    assert ("bev_pool", "cpu", "native") in {(r["op"], r["backend"], r["reason"]) for r in kernel_dispatch.records()}
+
+
+def test_native_composition_with_the_real_primitives_reference_paths(monkeypatch):
+    """The same composition with the real sort_by_cell (and bev_pool_v2 once it exists) on
+    their reference paths: catches a mismatch between the contract and the real modules."""
+    calls = _bev_fakes.install(monkeypatch, real=True)
+    a = bevfusion_inputs("tiny", batch=2, keep_out_of_range=True)
+    feats = a["feats"].clone().requires_grad_(True)
+    out = bev_pool(feats, a["coords"], a["B"], a["D"], a["H"], a["W"])
+    assert calls.sort is not None and calls.pool is not None
+    assert_close(out.double(), loop_bev_pool(*args_of(a)), atol=1e-5, rtol=1e-5)
+    out.backward(torch.ones_like(out))
+    x, y, z, b = a["coords"].unbind(1)
+    ok = (x >= 0) & (x < a["H"]) & (y >= 0) & (y < a["W"]) & (z >= 0) & (z < a["D"]) & (b >= 0) & (b < a["B"])
+    assert torch.equal(feats.grad, ok.float().unsqueeze(1).expand_as(feats))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_torch_compile_fullgraph_native_composition(monkeypatch, backend):
+    """The native path under torch.compile(fullgraph=True): sort + bev_pool_v2 sit inside the
+    mu_space::bev_pool_rows custom op (fixed output shape), backward is the row gather. Run on
+    CPU through the primitives' reference paths."""
+    _bev_fakes.install_reference_primitives(monkeypatch)
+    torch._dynamo.reset()
+    try:
+        a = bevfusion_inputs("tiny", batch=2, keep_out_of_range=True)
+        B, D, H, W = a["B"], a["D"], a["H"], a["W"]
+        fn = torch.compile(lambda f, c: bev_pool(f, c, B, D, H, W), backend=backend, fullgraph=True)
+        feats = a["feats"].clone().requires_grad_(True)
+        out = fn(feats, a["coords"])
+        assert_close(out, bev_pool(*args_of(a), backend="reference"), atol=1e-5, rtol=1e-5)
+        out.backward(torch.ones_like(out))
+        assert feats.grad.sum() == int(((a["coords"] >= 0).all(1) & (a["coords"][:, 0] < H) &
+                                        (a["coords"][:, 1] < W) & (a["coords"][:, 2] < D) &
+                                        (a["coords"][:, 3] < B)).sum()) * feats.shape[1]
+        rows = {(r["op"], r["backend"]) for r in kernel_dispatch.records()}
+        assert ("bev_pool", "cpu") in rows  # the traced choice: native (patched)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_opcheck_bev_pool_rows():
+    """The custom op behind the native path (reference primitives inside, so it runs on CPU)."""
+    a = bevfusion_inputs("tiny", batch=2, keep_out_of_range=True)
+    cells = _coords_to_cells(a["coords"], (a["B"], a["D"], a["H"], a["W"]))
+    feats = a["feats"].clone().requires_grad_(True)
+    torch.library.opcheck(torch.ops.mu_space.bev_pool_rows.default,
+                          (feats, cells, [a["B"], a["D"], a["H"], a["W"], 5], "reference"))
+
+
+def test_native_composition_sends_empty_input_to_reference(monkeypatch):
+    calls = _bev_fakes.install(monkeypatch)
+    out = bev_pool(torch.zeros(0, 3), torch.zeros(0, 4, dtype=torch.int64), 1, 1, 2, 2)
+    assert calls.sort is None and out.shape == (1, 3, 1, 2, 2)
+
+
+# ---------------------------------------------------------------- native (GPU)
+
+# (config, batch, channels): realistic geometry, odd channel counts, B > 1.
+GPU_CASES = [("tiny", 1, None), ("bevdet-r50", 2, 3), ("bevdet-r50", 1, 67),
+             ("bevdet-r50-d88", 1, 80), ("bevfusion-cam", 1, 80), ("bevfusion-cam", 2, 67)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _poison_allocator(device, nbytes=1 << 30):
+    """Fill a large block of the caching allocator with NaN and free it, so outputs the native
+    path allocates next start as NaN: an unwritten element then fails the comparison."""
+    torch.empty(nbytes // 4, device=device).fill_(float("nan"))
+    torch.cuda.synchronize(device)
+
+
+def _want(a, dtype):
+    """float64 reference rounded once to the output dtype: native differs by its float32
+    accumulation order (fp32) or one output rounding (fp16 / bf16): TOLERANCES covers both."""
+    f = a["feats"].double()
+    return bev_pool_reference(f, a["coords"], a["B"], a["D"], a["H"], a["W"]).to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cfg, batch, channels", GPU_CASES)
+def test_native_matches_reference(cfg, batch, channels, dtype):
+    device = native_gpu_device()
+    a = bevfusion_inputs(cfg, batch=batch, channels=channels, dtype=dtype, device=device)
+    _poison_allocator(device)
+    got = bev_pool(*args_of(a), backend="cuda")
+    assert got.dtype == dtype and got.device == device and got.is_contiguous()
+    assert_close(got, _want(a, dtype), **tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_native_backward_matches_reference(dtype):
+    device = native_gpu_device()
+    a = bevfusion_inputs("bevdet-r50", batch=2, channels=67, dtype=dtype, device=device, keep_out_of_range=True)
+    feats = a["feats"].clone().requires_grad_(True)
+    out = bev_pool(feats, a["coords"], a["B"], a["D"], a["H"], a["W"], backend="cuda")
+    g = torch.randn_like(out)
+    out.backward(g)
+    ref = a["feats"].double().requires_grad_(True)
+    bev_pool_reference(ref, a["coords"], a["B"], a["D"], a["H"], a["W"]).backward(g.double())
+    # each point's grad is one element of g copied: exact in every dtype
+    assert_close(feats.grad, ref.grad.to(dtype), atol=0, rtol=0, name="grad feats")
+
+
+@pytest.mark.gpu
+def test_native_out_of_range_and_edge_cases():
+    device = native_gpu_device()
+    B, D, H, W = 2, 1, 3, 4
+    coords = torch.tensor([[-1, 0, 0, 0], [H, 0, 0, 0], [0, W, 0, 0], [0, 0, D, 0], [0, 0, 0, B],
+                           [2**40, 0, 0, 0], [1, 2, 0, 1]], device=device)
+    feats = torch.ones(7, 67, device=device)
+    out = bev_pool(feats, coords, B, D, H, W, backend="cuda")
+    want = torch.zeros(B, 67, D, H, W, device=device)
+    want[1, :, 0, 1, 2] = 1
+    assert torch.equal(out, want)
+    # empty, one point, every point in one cell
+    assert not bev_pool(feats[:0], coords[:0], B, D, H, W, backend="cuda").any()
+    one = bev_pool(feats[-1:] * 3, coords[-1:].int(), B, D, H, W, backend="cuda")
+    assert torch.equal(one, want * 3)
+    many = torch.randn(100_000, 3, device=device, dtype=torch.float64).float()
+    same = torch.tensor([[2, 3, 0, 1]], device=device).expand(100_000, 4)
+    got = bev_pool(many, same, B, D, H, W, backend="cuda")
+    # float32 sum of 1e5 values of magnitude ~1 (partial sums ~300): rounding ~1e-2 at most
+    assert_close(got[1, :, 0, 2, 3].double(), many.double().sum(0), atol=5e-2, rtol=1e-5)
+    got[1, :, 0, 2, 3] = 0
+    assert not got.any()
+
+
+@pytest.mark.gpu
+def test_native_is_deterministic():
+    device = native_gpu_device()
+    a = bevfusion_inputs("bevfusion-cam", dtype=torch.float32, device=device)
+    first = bev_pool(*args_of(a), backend="cuda")
+    for _ in range(3):
+        assert torch.equal(bev_pool(*args_of(a), backend="cuda"), first)
+    perm = torch.randperm(a["feats"].shape[0], device=device)
+    grads = []
+    for _ in range(2):
+        feats = a["feats"][perm].clone().requires_grad_(True)
+        bev_pool(feats, a["coords"][perm], a["B"], a["D"], a["H"], a["W"], backend="cuda").backward(first)
+        grads.append(feats.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.gpu
+def test_native_runs_on_the_callers_stream():
+    device = native_gpu_device()
+    a = bevfusion_inputs("bevdet-r50", device=device)
+    want = bev_pool(*args_of(a), backend="cuda")
+    stream = torch.cuda.Stream(device)
+    feats = torch.zeros_like(a["feats"])
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)
+        feats.copy_(a["feats"])
+        got = bev_pool(feats, a["coords"], a["B"], a["D"], a["H"], a["W"], backend="cuda")
+    stream.synchronize()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_native_auto_dispatch_records_native_and_falls_back_for_float64():
+    device = native_gpu_device()
+    a = bevfusion_inputs("tiny", device=device)
+    bev_pool(*args_of(a))
+    bev_pool(a["feats"].double(), *args_of(a)[1:])
+    rows = {(r["op"], r["backend"], r["reason"]) for r in kernel_dispatch.records()}
+    assert ("bev_pool", "cuda", "native") in rows
+    assert any(op == "bev_pool" and b == "reference" and "float64" in r for op, b, r in rows)
+
+
+@pytest.mark.gpu
+def test_native_torch_compile():
+    device = native_gpu_device()
+    a = bevfusion_inputs("bevdet-r50", batch=2, device=device)
+    B, D, H, W = a["B"], a["D"], a["H"], a["W"]
+    want = bev_pool(*args_of(a), backend="cuda")
+    fn = torch.compile(lambda f, c: bev_pool(f, c, B, D, H, W), fullgraph=True)
+    assert_close(fn(a["feats"], a["coords"]), want, **tolerance(torch.float32))
+
+
+@pytest.mark.gpu
+def test_native_opcheck_bev_pool_rows():
+    device = native_gpu_device()
+    a = bevfusion_inputs("bevdet-r50", batch=2, channels=67, device=device, keep_out_of_range=True)
+    cells = _coords_to_cells(a["coords"], (a["B"], a["D"], a["H"], a["W"]))
+    feats = a["feats"].clone().requires_grad_(True)
+    torch.library.opcheck(torch.ops.mu_space.bev_pool_rows.default,
+                          (feats, cells, [a["B"], a["D"], a["H"], a["W"], 67], "cuda"))
