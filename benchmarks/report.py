@@ -1,0 +1,48 @@
+"""Markdown tables from benchmark results, for docs to quote:
+
+    python -m benchmarks.report benchmarks/results/h200/bev_pool_v2.json [--cases REGEX]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(doc: dict, pattern: str | None = None) -> str:
+    meta = doc["metadata"]
+    lines = [f"{meta.get('gpu_name')}, torch {meta.get('torch_version')}, CUDA "
+             f"{meta.get('cuda_version')}, commit {meta.get('git_commit')}, {meta.get('date_utc')}; "
+             f"copy bandwidth {_fmt(doc.get('copy_bandwidth_gbps'), '.0f')} GB/s; cold L2, median "
+             f"of {meta.get('timing', {}).get('reps', 'n')} reps.",
+             "",
+             "| case | direction | dtype | median us | GB/s | % copy bw | speedup vs reference |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in doc["results"]:
+        if pattern and not re.search(pattern, r["name"]):
+            continue
+        status = "" if r.get("status") == "ok" else f" ({r.get('status')})"
+        lines.append(f"| {r['name']}{status} | {r['direction']} | {r['dtype']} | "
+                     f"{_fmt(r.get('median_us'), '.1f')} | {_fmt(r.get('gbps'), '.0f')} | "
+                     f"{_fmt(r.get('pct_of_copy_bw'), '.1f')} | "
+                     f"{_fmt(r.get('speedup_vs_reference'), '.1f')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--cases", help="only cases whose name matches")
+    args = parser.parse_args(argv)
+    print(markdown_table(json.loads(args.results.read_text()), args.cases))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
