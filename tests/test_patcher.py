@@ -125,3 +125,10 @@ def test_double_apply_is_an_error(upstream):
     with pytest.raises(RuntimeError, match="already applied"):
         patcher.apply()
     patcher.restore()
+
+
+def test_upstream_that_fails_to_import_is_a_skip(monkeypatch, tmp_path):
+    (tmp_path / "brokenup.py").write_text("raise RuntimeError('needs a CUDA build')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (result,) = Patcher([Patch("broken", "brokenup.thing", ours)]).apply()
+    assert result.status == "skipped" and "needs a CUDA build" in result.reason

@@ -54,6 +54,8 @@ def resolve(path: str) -> tuple[Any, str, Any]:
         except ImportError as exc:
             error = error or exc
             continue
+        except Exception as exc:  # noqa: BLE001 - a broken upstream install is a skip, not a crash
+            raise PatchTargetMissing(f"importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
         for attr in parts[split:-1]:
             if not hasattr(owner, attr):
                 raise PatchTargetMissing(f"{module_name} has no attribute path {'.'.join(parts[split:])}")
@@ -119,7 +121,7 @@ class Patcher:
 
     def _apply_one(self, patch: Patch) -> PatchResult:
         if not patch.enabled:
-            return PatchResult(patch.name, "disabled", "disabled by the user")
+            return PatchResult(patch.name, "disabled", "disabled (by default or by disable())")
         try:
             owner, attr, original = resolve(patch.target)
         except PatchTargetMissing as exc:
