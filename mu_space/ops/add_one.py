@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from mu_space.ops._checks import dtype_name
 from mu_space.runtime import kernel_dispatch, native, registry
 from mu_space.runtime.device import stream_handle
 
@@ -25,7 +26,7 @@ def add_one_reference(x: torch.Tensor) -> torch.Tensor:
 
 def _native_unsupported(x: torch.Tensor) -> str | None:
     if x.dtype != torch.float32:
-        return f"x dtype {str(x.dtype).removeprefix('torch.')} has no native kernel (float32 only)"
+        return f"x dtype {dtype_name(x.dtype)} has no native kernel (float32 only)"
     return None
 
 
@@ -33,7 +34,7 @@ def _add_one(x: torch.Tensor, backend: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
-        raise TypeError(f"x must be a floating tensor, got {str(x.dtype).removeprefix('torch.')}")
+        raise TypeError(f"x must be a floating tensor, got {dtype_name(x.dtype)}")
     if not kernel_dispatch.use_native(OP, backend, x.device, _native_unsupported(x)):
         return add_one_reference(x)
     x = x.contiguous()  # documented: a non-contiguous input costs one copy

@@ -37,15 +37,13 @@ from __future__ import annotations
 
 import torch
 
+from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 from mu_space.ops.bev_pool_v3 import (
     _ROWS_ENTRY_POINTS,
     Grid,
     _as_int,
     _check_floating,
-    _check_same_device,
-    _check_tensor,
     _coords_to_cells,
-    _dtype_name,
     _pool_reference,
     _pool_rows_native,
     _use_native,
@@ -60,10 +58,10 @@ def _check(feats, coords, B, D, H, W) -> Grid:
     _check_floating(feats, "feats")
     if feats.dim() != 2:
         raise ValueError(f"feats must be 2-D [n, C], got {feats.dim()}-D")
-    _check_tensor(coords, "coords")
-    _check_same_device(coords, "coords", feats, "feats")
+    check_tensor(coords, "coords")
+    check_same_device(coords, "coords", feats, "feats")
     if coords.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"coords must be int32 or int64, got {_dtype_name(coords.dtype)}")
+        raise TypeError(f"coords must be int32 or int64, got {dtype_name(coords.dtype)}")
     if coords.dim() != 2 or coords.shape[1] != 4:
         raise ValueError(f"coords must be [n, 4] (x, y, z, batch), got shape {tuple(coords.shape)}")
     if coords.shape[0] != feats.shape[0]:
@@ -100,7 +98,7 @@ def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
         a = bev_pool_inputs.bevfusion_inputs("tiny", batch=2, dtype=dtype, device=device)
         cases.append(registry.SelfCheckCase(
-            f"tiny B=2 {_dtype_name(dtype)}", (a["feats"], a["coords"], a["B"], a["D"], a["H"], a["W"]),
+            f"tiny B=2 {dtype_name(dtype)}", (a["feats"], a["coords"], a["B"], a["D"], a["H"], a["W"]),
             atol=tol, rtol=tol, backward=dtype == torch.float32))
     a = bev_pool_inputs.bevfusion_inputs("tiny", device=device, keep_out_of_range=True)
     cases.append(registry.SelfCheckCase(

@@ -82,6 +82,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from mu_space.ops._checks import dtype_name
 from mu_space.runtime import kernel_dispatch, native, registry
 from mu_space.runtime.device import stream_handle
 
@@ -117,8 +118,6 @@ class CellSort(NamedTuple):
     interval_lengths: torch.Tensor
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # --------------------------------------------------------------------------- validation
@@ -200,7 +199,7 @@ def _check_coor(coor) -> None:
         raise TypeError(f"coor must be a torch.Tensor, got {type(coor).__name__}")
     if coor.dtype not in _COOR_DTYPES:
         raise TypeError(f"coor must be float32, float16, bfloat16 or float64, got "
-                        f"{_dtype_name(coor.dtype)}")
+                        f"{dtype_name(coor.dtype)}")
     if coor.dim() != 6 or coor.shape[-1] != 3:
         raise ValueError(f"coor must be [B, N, D, H, W, 3], got {list(coor.shape)}")
     n = coor.numel() // 3
@@ -221,7 +220,7 @@ def _check_cell(cell, n_cells) -> int:
     if not isinstance(cell, torch.Tensor):
         raise TypeError(f"cell must be a torch.Tensor, got {type(cell).__name__}")
     if cell.dtype not in _CELL_DTYPES:
-        raise TypeError(f"cell must be int32 or int64, got {_dtype_name(cell.dtype)}")
+        raise TypeError(f"cell must be int32 or int64, got {dtype_name(cell.dtype)}")
     if cell.dim() != 1:
         raise ValueError(f"cell must be 1-D, got {cell.dim()}-D")
     if cell.numel() > INT32_MAX:
@@ -476,7 +475,7 @@ def _sort_native(cell, n_cells) -> CellSort:
 
 def _prepare_unsupported(coor: torch.Tensor) -> str | None:
     if coor.dtype not in _NATIVE_COOR_DTYPES:
-        return f"coor dtype {_dtype_name(coor.dtype)} has no native kernel (no FP64 in kernels)"
+        return f"coor dtype {dtype_name(coor.dtype)} has no native kernel (no FP64 in kernels)"
     return None
 
 

@@ -57,6 +57,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 from mu_space.runtime import kernel_dispatch, native, registry
 from mu_space.runtime.device import stream_handle
 
@@ -72,28 +73,20 @@ ENTRY_POINTS = ("bev_pool_v2_forward", "bev_pool_v2_backward", "bev_pool_v2_back
 _POINTS_PER_BLOCK = int(os.environ.get("MUSPACE_BEV_POOL_V2_POINTS_PER_BLOCK", "0") or 0)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # --------------------------------------------------------------------------- validation
 
 
-def _check_tensor(t, name: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def _check_same_device(t: torch.Tensor, name: str, ref: torch.Tensor) -> None:
-    if t.device != ref.device:
-        raise ValueError(f"{name} must be on {ref.device} (the device of feat), got {t.device}")
 
 
 def _check_int32(t, name: str, ref: torch.Tensor, n: int | None = None) -> None:
-    _check_tensor(t, name)
-    _check_same_device(t, name, ref)
+    check_tensor(t, name)
+    check_same_device(t, name, ref)
     if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {_dtype_name(t.dtype)}")
+        raise TypeError(f"{name} must be int32, got {dtype_name(t.dtype)}")
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got {t.dim()}-D")
     if n is not None and t.shape[0] != n:
@@ -118,9 +111,9 @@ def _check(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape, inte
            interval_lengths) -> tuple[int, int, int, int, int]:
     """Argument checks (no host synchronisation); returns (B, Z, Y, X, C)."""
     shape = _shape(bev_feat_shape)
-    _check_tensor(feat, "feat")
+    check_tensor(feat, "feat")
     if feat.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"feat must be float32, float16, bfloat16 or float64, got {_dtype_name(feat.dtype)}")
+        raise TypeError(f"feat must be float32, float16, bfloat16 or float64, got {dtype_name(feat.dtype)}")
     if feat.dim() < 2 or feat.shape[-1] != shape[4]:
         raise ValueError(f"feat must be [..., C] with C = bev_feat_shape[4] = {shape[4]}, got shape "
                          f"{tuple(feat.shape)}")
@@ -132,11 +125,11 @@ def _check(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape, inte
     n = ranks_bev.shape[0]
     _check_int32(ranks_feat, "ranks_feat", feat, n)
     if depth is not None:
-        _check_tensor(depth, "depth")
-        _check_same_device(depth, "depth", feat)
+        check_tensor(depth, "depth")
+        check_same_device(depth, "depth", feat)
         if depth.dtype != feat.dtype:
-            raise TypeError(f"depth must have the dtype of feat ({_dtype_name(feat.dtype)}), got "
-                            f"{_dtype_name(depth.dtype)}")
+            raise TypeError(f"depth must have the dtype of feat ({dtype_name(feat.dtype)}), got "
+                            f"{dtype_name(depth.dtype)}")
         _check_int32(ranks_depth, "ranks_depth", feat, n)
     _check_int32(interval_starts, "interval_starts", feat)
     _check_int32(interval_lengths, "interval_lengths", feat, interval_starts.shape[0])
@@ -196,7 +189,7 @@ def validate_inputs(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_sh
 
 def _native_unsupported(feat: torch.Tensor, shape, n_points: int) -> str | None:
     if feat.dtype not in NATIVE_DTYPES:
-        return f"feat dtype {_dtype_name(feat.dtype)} has no native kernel (float32, float16, bfloat16)"
+        return f"feat dtype {dtype_name(feat.dtype)} has no native kernel (float32, float16, bfloat16)"
     B, Z, Y, X, C = shape
     if B * Z * Y * X > INT32_MAX:
         return f"B*Z*Y*X = {B * Z * Y * X} cells exceed the int32 range of ranks_bev"

@@ -55,6 +55,7 @@ import torch
 
 from mu_space.ops.bev_pool_prepare import sort_by_cell
 from mu_space.ops.bev_pool_v2 import bev_pool_v2
+from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 from mu_space.runtime import kernel_dispatch, registry
 
 OP = "bev_pool_v3"
@@ -69,24 +70,16 @@ _NATIVE_ENTRY_POINTS = _ROWS_ENTRY_POINTS + ("bev_pool_v2_backward",
 # ------------------------------------------------------------------ shared helpers (bev_pool too)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
-def _check_tensor(t, name: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
 def _check_floating(t, name: str) -> None:
-    _check_tensor(t, name)
+    check_tensor(t, name)
     if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating tensor, got {_dtype_name(t.dtype)}")
+        raise TypeError(f"{name} must be a floating tensor, got {dtype_name(t.dtype)}")
 
 
-def _check_same_device(t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str) -> None:
-    if t.device != ref.device:
-        raise ValueError(f"{name} must be on {ref.device} (the device of {ref_name}), got {t.device}")
 
 
 def _as_int(value, name: str) -> int:
@@ -290,7 +283,7 @@ def _pool_rows_native(feat, cells, grid: Grid, backend: str) -> torch.Tensor:
 
 def _native_unsupported(feat: torch.Tensor, grid: Grid) -> str | None:
     if feat.dtype not in NATIVE_DTYPES:
-        return (f"feat dtype {_dtype_name(feat.dtype)} has no native kernel "
+        return (f"feat dtype {dtype_name(feat.dtype)} has no native kernel "
                 "(float32, float16, bfloat16)")
     if grid.n_cells >= INT32_LIMIT:
         return f"B*Z*Y*X = {grid.n_cells} cells do not fit the native kernels' int32 ranks"
@@ -318,10 +311,10 @@ def _use_native(op: str, backend: str, feat: torch.Tensor, grid: Grid, n_points:
 
 
 def _check_rank(t, name: str, n: int | None, ref: torch.Tensor) -> None:
-    _check_tensor(t, name)
-    _check_same_device(t, name, ref, "feat")
+    check_tensor(t, name)
+    check_same_device(t, name, ref, "feat")
     if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {_dtype_name(t.dtype)}")
+        raise TypeError(f"{name} must be int32, got {dtype_name(t.dtype)}")
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got {t.dim()}-D")
     if n is not None and t.shape[0] != n:
@@ -334,13 +327,13 @@ def _check_v3(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape) -
     if feat.dim() == 0 or feat.shape[-1] != grid.C:
         raise ValueError(f"feat must have C = bev_feat_shape[4] = {grid.C} channels in its last "
                          f"dim, got shape {tuple(feat.shape)}")
-    _check_tensor(ranks_bev, "ranks_bev")
-    _check_same_device(ranks_bev, "ranks_bev", feat, "feat")
+    check_tensor(ranks_bev, "ranks_bev")
+    check_same_device(ranks_bev, "ranks_bev", feat, "feat")
     if ranks_bev.dim() == 2:
         if ranks_bev.shape[1] != 4:
             raise ValueError(f"ranks_bev.shape[1] must be 4 (h, w, d, b) when 2-D, got {ranks_bev.shape[1]}")
         if ranks_bev.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"ranks_bev must be int32 or int64 when 2-D, got {_dtype_name(ranks_bev.dtype)}")
+            raise TypeError(f"ranks_bev must be int32 or int64 when 2-D, got {dtype_name(ranks_bev.dtype)}")
     else:
         _check_rank(ranks_bev, "ranks_bev", None, feat)
     n = ranks_bev.shape[0]
@@ -350,10 +343,10 @@ def _check_v3(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape) -
                          f"ranks_depth={'None' if ranks_depth is None else 'Tensor'}")
     if depth is not None:
         _check_floating(depth, "depth")
-        _check_same_device(depth, "depth", feat, "feat")
+        check_same_device(depth, "depth", feat, "feat")
         if depth.dtype != feat.dtype:
-            raise TypeError(f"depth must have the dtype of feat ({_dtype_name(feat.dtype)}), "
-                            f"got {_dtype_name(depth.dtype)}")
+            raise TypeError(f"depth must have the dtype of feat ({dtype_name(feat.dtype)}), "
+                            f"got {dtype_name(depth.dtype)}")
         _check_rank(ranks_depth, "ranks_depth", n, feat)
         if ranks_feat is None:
             raise ValueError("ranks_feat must be given when depth is given")
@@ -433,7 +426,7 @@ def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         a = bev_pool_inputs.bevdet_ranks("tiny", batch=2, dtype=dtype, device=device, shuffle=True)
         cases.append(registry.SelfCheckCase(
-            f"tiny B=2 shuffled {_dtype_name(dtype)}",
+            f"tiny B=2 shuffled {dtype_name(dtype)}",
             (a["depth"], a["feat"], a["ranks_depth"], a["ranks_feat"], a["ranks_bev"],
              a["bev_feat_shape"]), atol=tol, rtol=tol, backward=dtype == torch.float32))
     v1 = bev_pool_inputs.bevfusion_inputs("tiny", batch=2, device=device, keep_out_of_range=True)

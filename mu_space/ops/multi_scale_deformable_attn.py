@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mu_space.ops._checks import dtype_name
 from mu_space.runtime import kernel_dispatch, native, registry
 from mu_space.runtime.device import stream_handle
 
@@ -81,8 +82,6 @@ _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # --------------------------------------------------------------------------- validation
@@ -98,14 +97,14 @@ def _check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not value.is_floating_point():
-        raise TypeError(f"value must be a floating tensor, got {_dtype_name(value.dtype)}")
+        raise TypeError(f"value must be a floating tensor, got {dtype_name(value.dtype)}")
     for name, t in named[3:]:
         if t.dtype != value.dtype:
-            raise TypeError(f"{name} must have the dtype of value ({_dtype_name(value.dtype)}), "
-                            f"got {_dtype_name(t.dtype)}")
+            raise TypeError(f"{name} must have the dtype of value ({dtype_name(value.dtype)}), "
+                            f"got {dtype_name(t.dtype)}")
     for name, t in named[1:3]:
         if t.dtype not in _INDEX_DTYPES:
-            raise TypeError(f"{name} must be int32 or int64, got {_dtype_name(t.dtype)}")
+            raise TypeError(f"{name} must be int32 or int64, got {dtype_name(t.dtype)}")
     for name, t, ndim in (("value", value, 4), ("value_spatial_shapes", spatial_shapes, 2),
                           ("value_level_start_index", level_start_index, 1),
                           ("sampling_locations", sampling_locations, 6),
@@ -234,7 +233,7 @@ def _native_unsupported(value: torch.Tensor, head_dim: int, levels: int, points:
     if not _native_has_entry_points():
         return "the native library has no multi_scale_deformable_attn kernels (rebuild it)"
     if value.dtype not in _NATIVE_DTYPES:
-        return f"dtype {_dtype_name(value.dtype)} has no native kernel (float32, float16, bfloat16)"
+        return f"dtype {dtype_name(value.dtype)} has no native kernel (float32, float16, bfloat16)"
     if value.dtype == torch.bfloat16 and not _native_has_bf16():
         return "this native build has no bfloat16 kernels (MUSA arch < mp_22)"
     if head_dim > MAX_NATIVE_HEAD_DIM:
@@ -532,7 +531,7 @@ def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
                               (torch.bfloat16, 1e-1, 5e-2)):
         inputs = msda_inputs.make("tiny", dtype=dtype, device=device, seed=1)
         cases.append(registry.SelfCheckCase(
-            f"tiny {_dtype_name(dtype)}", nudged(inputs), atol=atol, rtol=rtol,
+            f"tiny {dtype_name(dtype)}", nudged(inputs), atol=atol, rtol=rtol,
             backward=dtype == torch.float32))
     odd = msda_inputs.make(msda_inputs.CONFIGS["tiny"].with_(head_dim=3), device=device, seed=2)
     cases.append(registry.SelfCheckCase("tiny head_dim 3", nudged(odd), atol=1e-4, rtol=1e-4,
