@@ -42,6 +42,7 @@
 
 #include "checks.muh"
 #include "gpu_compat.muh"
+#include "vector_atomics.muh"
 
 namespace muspace {
 namespace msda {
@@ -267,50 +268,6 @@ __device__ __forceinline__ float pick(const float (&a)[N], int i) {
 template <typename T, int VEC, int NV>
 constexpr bool prefetch_meta() {
   return 4 * NV * RawVec<T, VEC>::kWords <= 16;
-}
-
-// float atomics. The vector forms (one RED of 8 or 16 bytes) are used when the toolchain
-// declares atomicAdd for float2 / float4 for the target being compiled (e.g. sm_90); otherwise
-// the overload below is removed by SFINAE and the fallback issues scalar atomics. This picks
-// the fast path without naming any vendor macro.
-template <typename V>
-__device__ __forceinline__ auto atomic_add_vector(V* p, V v, int) -> decltype(atomicAdd(p, v), void()) {
-  atomicAdd(p, v);
-}
-__device__ __forceinline__ void atomic_add_vector(float4* p, float4 v, long) {
-  float* f = reinterpret_cast<float*>(p);
-  atomicAdd(f + 0, v.x);
-  atomicAdd(f + 1, v.y);
-  atomicAdd(f + 2, v.z);
-  atomicAdd(f + 3, v.w);
-}
-__device__ __forceinline__ void atomic_add_vector(float2* p, float2 v, long) {
-  float* f = reinterpret_cast<float*>(p);
-  atomicAdd(f + 0, v.x);
-  atomicAdd(f + 1, v.y);
-}
-
-// p[0..N) += scale * in[0..N); p aligned to min(16, 4 * N) bytes.
-template <int N>
-__device__ __forceinline__ void atomic_add_scaled(float* p, float scale, const float (&in)[N]) {
-  if constexpr (N % 4 == 0) {
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      atomic_add_vector(reinterpret_cast<float4*>(p) + i,
-                        make_float4(scale * in[4 * i], scale * in[4 * i + 1],
-                                    scale * in[4 * i + 2], scale * in[4 * i + 3]),
-                        0);
-    }
-  } else if constexpr (N % 2 == 0) {
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) {
-      atomic_add_vector(reinterpret_cast<float2*>(p) + i,
-                        make_float2(scale * in[2 * i], scale * in[2 * i + 1]), 0);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) atomicAdd(p + i, scale * in[i]);
-  }
 }
 
 // ------------------------------------------------------------------------- level metadata

@@ -8,24 +8,27 @@
 // Without depth (depth / ranks_depth absent) every weight is 1 (BEVFusion's bev_pool, bev_pool_v3).
 // The long form of the design is docs/operators/bev_pool_v2.md; in short:
 //
-// Forward (one kernel, no atomics, writes every output element, so no memset; only sparse outputs
-// with more than 4 cells per point are zeroed by a grid-wide fill first, see kSparseKeysPerPoint):
+// Forward (a zero fill of the output, then one kernel; no atomics):
 // - Segments are the runs of equal ranks_bev (what BEVDet's interval arrays are by construction;
 //   the kernels do not read the interval arrays). Work is split by POINTS, not by intervals:
 //   intervals hold 1 to ~800 points, and a thread group per interval leaves the long ones (near
 //   the ego car) on the critical path.
 // - Block j takes the runs that START in points [j*P, (j+1)*P) (found with one coalesced search
 //   round) and with them owns the cells [cell of its first run, cell of the next block's first
-//   run): it writes those cells' values AND the zeros of the empty cells among them.
+//   run).
 // - Inside the block, "slots" of G lanes (G = channel vectors per point) each take an equal,
 //   contiguous share of the block's points and sum runs in registers. A run cut by slot
 //   boundaries is finished by the slot holding its first point, which adds the later slots'
 //   partial sums in a fixed order: the result is bit-identical from run to run.
 // - The output is channels-first while feat is channels-last, so finished cells go to a
-//   shared-memory window [c][cell] and leave as coalesced rows of consecutive cells (one 32-bit
-//   store per cell and channel from a scattered writer would cost ~8x the L2 transactions).
-//   Cells beyond the window (sparse regions; ~3% of cells in the bevdet configs) are written
-//   directly, and the empty ones among them zeroed by the block, found with a bitmap.
+//   shared-memory window [c][cell] (zero-initialised) and leave as coalesced rows of
+//   consecutive cells (one 32-bit store per cell and channel from a scattered writer would cost
+//   ~8x the L2 transactions). Cells beyond the window (sparse regions; ~3% of cells in the
+//   bevdet configs) are written directly.
+// - Empty cells outside the windows keep the zero fill. Blocks used to zero their own empty
+//   cells instead (no fill), but when the points cover only part of the grid (one camera) one
+//   block then owns every trailing empty cell: 166 us instead of ~20 us on the H200; the fill
+//   costs ~2 us at bevdet-r50.
 //
 // Backward:
 // - backward_points_kernel, in the forward's point order: grad_depth[ranks_depth[i]] =
@@ -53,6 +56,7 @@
 
 #include "checks.muh"
 #include "gpu_compat.muh"
+#include "vector_atomics.muh"
 
 namespace muspace {
 namespace bev_pool_v2 {
@@ -63,6 +67,7 @@ using tvm::ffi::Optional;
 // ------------------------------------------------------------------------------- launch policy
 
 constexpr int kThreads = 256;          // every kernel of this file
+static_assert(kThreads % kWarpSize == 0, "blocks are whole warps");
 // Launch bounds (ptxas -v, sm_90a): the forward fits 64 registers without spill (1024 threads per
 // SM; the 16-bit deterministic grad_feat kernel spills 24 bytes); the backward's point kernel
 // needs 80 (768 threads per SM).
@@ -74,6 +79,11 @@ constexpr int kSmemBudget = 26 * 1024; // static shared memory per block (rule: 
 constexpr int kSmemMisc = 1024;        // flags, bitmap, scalars
 constexpr int kSearchPerThread = 4;    // run-start search after round 0: kThreads * 4 points
 constexpr int kTargetBlocksPerSM = 4;  // P is at most n / (SMs * 4): all SMs busy
+// The backward's point kernel prefers ~3x more, smaller blocks (its float32 atomics spread over
+// more of the kernel's lifetime). Measured on the H200 by benchmarks/tune_points_per_block.py
+// (bevdet-r50 / -d88 / -d118 float32): ~110-220 points per block gave 51-55 / 99-101 / 106-110
+// us against 67 / 117 / 122 us at the forward's ~340-380.
+constexpr int kTargetBlocksPerSMBackward = 12;
 constexpr int kMaxPointsPerSlot = 32;  // ... and at most 32 points per slot (latency bound)
 constexpr int kMinPointsPerSlot = 4;   // ... and at least 4 (amortises the search round)
 // Sparse outputs (more than 4 keys per point: few points, big grid): the empty keys are zeroed
@@ -263,13 +273,11 @@ template <typename T, int VEC>
 struct StagedChannelsFirst {
   T* __restrict__ out;
   T* stage;  // pitch = window_cells (odd: fewer bank conflicts)
-  unsigned int* bitmap;
   int pitch;
-  int lo, win, hi;  // the block owns cells [lo, hi)
+  int lo, win;  // the window: cells [lo, lo + win) of the block's own cells
   int n_cells, cells_per_batch;
   int channels, c_begin, tile_c;
 
-  __device__ __forceinline__ int z0() const { return lo + win; }  // first key zeroed by the block
   __device__ __forceinline__ int64_t offset(int x, int c) const {
     const int b = x / cells_per_batch;
     return (static_cast<int64_t>(b) * channels + c) * cells_per_batch + (x - b * cells_per_batch);
@@ -282,25 +290,26 @@ struct StagedChannelsFirst {
     } else {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) out[offset(x, c_begin + lane_c + e)] = from_float<T>(v[e]);
-      if (lane_c == 0) mark(bitmap, z0(), x);
     }
   }
-  // Whole block: the window, as rows of consecutive cells per channel.
+  // Whole block: the window, as rows of consecutive cells per channel, a warp per row. When
+  // the window lies in one batch (all but a few blocks) the row is one contiguous run of out:
+  // no division per element (the flush was a visible share of the forward's instructions).
   __device__ void flush() const {
-    const int n = tile_c * win;
-    for (int e = threadIdx.x; e < n; e += kThreads) {
-      const int c = e / win;
-      const int w = e - c * win;
-      out[offset(lo + w, c_begin + c)] = stage[c * pitch + w];
-    }
-  }
-  // Whole block: zeros for the unmarked cells of [from, from + n), consecutive cells per channel.
-  __device__ void zero_unmarked_chunk(int from, int n) const {
-    const int total = n * tile_c;  // n <= kBitmapBits, tile_c <= 256: fits int
-    for (int e = threadIdx.x; e < total; e += kThreads) {
-      const int c = e / n;
-      const int d = e - c * n;
-      if (!marked(bitmap, d)) out[offset(from + d, c_begin + c)] = from_float<T>(0.0f);
+    constexpr int kWarps = kThreads / kWarpSize;
+    const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+    const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+    const int b = lo / cells_per_batch;
+    const int first = lo - b * cells_per_batch;
+    const bool one_batch = first + win <= cells_per_batch;
+    for (int c = warp; c < tile_c; c += kWarps) {
+      const T* src = stage + c * pitch;
+      if (one_batch) {
+        T* dst = out + (static_cast<int64_t>(b) * channels + c_begin + c) * cells_per_batch + first;
+        for (int w = lane; w < win; w += kWarpSize) dst[w] = src[w];
+      } else {
+        for (int w = lane; w < win; w += kWarpSize) out[offset(lo + w, c_begin + c)] = src[w];
+      }
     }
   }
 };
@@ -520,24 +529,22 @@ __device__ bool owned_range(const Gather& gat, int n, int points_per_block, int 
   return true;
 }
 
+// `out` is zero-filled before the launch; the kernel writes the cells that have points.
 template <typename T, int VEC, bool kHasDepth>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
 forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_points,
-               int points_per_block, int channels, int cells_per_batch, int window_cells,
-               int out_prezeroed) {
+               int points_per_block, int channels, int cells_per_batch, int window_cells) {
   __shared__ float s_part[kThreads * VEC];
   __shared__ alignas(16) unsigned char s_stage_raw[stage_elems<T, VEC>() * sizeof(T)];
-  __shared__ unsigned int s_bitmap[kBitmapWords];
   __shared__ unsigned char s_flags[kThreads];
   __shared__ int s_q[4];
   const int tid = threadIdx.x;
-  // The window starts as zeros (empty cells) and the bitmap empty; sizes do not depend on the
-  // search, so this overlaps it.
+  // The window starts as zeros (its empty cells are flushed with the rest); sizes do not
+  // depend on the search, so this overlaps it.
   {
     uint4* words = reinterpret_cast<uint4*>(s_stage_raw);
     constexpr int kWords = static_cast<int>(sizeof(s_stage_raw) / sizeof(uint4));
     for (int e = tid; e < kWords; e += kThreads) words[e] = make_uint4(0u, 0u, 0u, 0u);
-    for (int e = tid; e < kBitmapWords; e += kThreads) s_bitmap[e] = 0u;
   }
   int q0, q1, lo, hi;
   if (!owned_range(gat, n_points, points_per_block, gat.n_keys, s_q, q0, q1, lo, hi)) return;
@@ -545,10 +552,8 @@ forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_poi
   StagedChannelsFirst<T, VEC> sink;
   sink.out = out;
   sink.stage = reinterpret_cast<T*>(s_stage_raw);
-  sink.bitmap = s_bitmap;
   sink.pitch = window_cells;
   sink.lo = lo;
-  sink.hi = hi;
   sink.win = min(window_cells, hi - lo);
   sink.n_cells = gat.n_keys;
   sink.cells_per_batch = cells_per_batch;
@@ -558,7 +563,6 @@ forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_poi
   pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags);
   __syncthreads();
   sink.flush();
-  if (!out_prezeroed) zero_unmarked(gat, sink, q0, q1, hi);
 }
 
 template <typename T, int VEC, bool kHasDepth>
@@ -664,26 +668,40 @@ backward_points_kernel(const T* __restrict__ grad_out, const T* __restrict__ dep
       wt[u] = 1.0f;
       if (kHasDepth && kAtomicFeat && ok[u]) wt[u] = to_float(depth[cw[u]]);
     }
-    if (kDepthGrad) {
-      float dot[kUnroll];
+    // One pass over the channel chunks serves both gradients: each grad_out value is read
+    // once, used for the dot product and scattered with one vector atomic per chunk (lane l
+    // takes chunks l, l + G, ...: the slot's atomics cover consecutive floats).
+    float dot[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) dot[u] = 0.0f;
-      for (int chunk = lane; chunk < n_chunks; chunk += G) {
-        Packed<T, VEC> fp[kUnroll];
+    for (int u = 0; u < kUnroll; ++u) dot[u] = 0.0f;
+    for (int chunk = lane; chunk < n_chunks; chunk += G) {
+      Packed<T, VEC> fp[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          fp[u] = zero_packed<T, VEC>();
-          if (ok[u]) fp[u] = load_packed<T, VEC>(feat + static_cast<int64_t>(cr[u]) * channels + chunk * VEC);
+      for (int u = 0; u < kUnroll; ++u) {
+        fp[u] = zero_packed<T, VEC>();
+        if (kDepthGrad && ok[u]) {
+          fp[u] = load_packed<T, VEC>(feat + static_cast<int64_t>(cr[u]) * channels + chunk * VEC);
         }
+      }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (!ok[u]) continue;
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!ok[u]) continue;
+        float g[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) g[e] = grad_at(ck[u], chunk * VEC + e);
+        if (kDepthGrad) {
           float f[VEC];
           unpack<T, VEC>(fp[u], f);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) dot[u] = fmaf(grad_at(ck[u], chunk * VEC + e), f[e], dot[u]);
+          for (int e = 0; e < VEC; ++e) dot[u] = fmaf(g[e], f[e], dot[u]);
+        }
+        if (kAtomicFeat) {
+          atomic_add_scaled<VEC>(grad_feat_acc + static_cast<int64_t>(cr[u]) * channels + chunk * VEC,
+                                 wt[u], g);
         }
       }
+    }
+    if (kDepthGrad) {
       const int buf = it & 1;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) s_red[buf][u][tid] = dot[u];
@@ -695,15 +713,6 @@ backward_points_kernel(const T* __restrict__ grad_out, const T* __restrict__ dep
         float sum = 0.0f;
         for (int l = 0; l < G; ++l) sum += s_red[buf][u][slot * G + l];
         grad_depth[cw[u]] = from_float<T>(sum);
-      }
-    }
-    if (kAtomicFeat) {
-      // Lane l takes channels l, l + G, ...: each warp-wide atomic covers consecutive floats.
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (!ok[u]) continue;
-        float* dst = grad_feat_acc + static_cast<int64_t>(cr[u]) * channels;
-        for (int c = lane; c < channels; c += G) atomicAdd(dst + c, wt[u] * grad_at(ck[u], c));
       }
     }
   }
@@ -791,16 +800,16 @@ int window_cells_for(int capacity_elems, int tile_c) {
 }
 
 // Points per block: small enough that the block's cells usually fit the window (half of it at
-// the average density), every SM gets several blocks and a slot walks <= 32 points; large enough
-// that each slot gets >= 4 points. `override_ppb` > 0 (profiling) replaces the choice.
+// the average density), every SM gets `blocks_per_sm` blocks and a slot walks <= 32 points;
+// large enough that each slot gets >= 4 points. `override_ppb` > 0 (profiling) replaces the choice.
 int points_per_block_for(int64_t n_points, int64_t n_keys, int window, int lanes, int device_id,
-                         int64_t override_ppb) {
+                         int64_t override_ppb, int64_t blocks_per_sm = kTargetBlocksPerSM) {
   const int64_t slots = kThreads / lanes;
   if (override_ppb > 0) return static_cast<int>(std::min<int64_t>(override_ppb, 1 << 20));
   const int64_t sms = multiprocessor_count(device_id);
   const int64_t span = window > 0 && n_keys > 0 ? (static_cast<int64_t>(window) * n_points) / (2 * n_keys)
                                                 : n_points;
-  const int64_t occupancy = (n_points + sms * kTargetBlocksPerSM - 1) / (sms * kTargetBlocksPerSM);
+  const int64_t occupancy = (n_points + sms * blocks_per_sm - 1) / (sms * blocks_per_sm);
   int64_t p = std::min(span, occupancy);
   p = std::min(p, slots * kMaxPointsPerSlot);
   p = std::max(p, slots * kMinPointsPerSlot);
@@ -906,8 +915,7 @@ void forward(Optional<TensorView> depth, TensorView feat, Optional<TensorView> r
                                            feat.device().device_id, points_per_block);
       const dim3 grid(static_cast<unsigned>((n + ppb - 1) / ppb),
                       static_cast<unsigned>((channels / VEC + kMaxLanes - 1) / kMaxLanes));
-      const bool prezero = n_cells > kSparseKeysPerPoint * n;
-      if (prezero) launch_zero(out.data_ptr(), out.numel() * static_cast<int64_t>(sizeof(T)), s);
+      launch_zero(out.data_ptr(), out.numel() * static_cast<int64_t>(sizeof(T)), s);
       auto launch = [&](auto depth_tag) {
         constexpr bool kHasDepth = decltype(depth_tag)::value;
         FeatGather<T, VEC, kHasDepth> gat;
@@ -922,7 +930,7 @@ void forward(Optional<TensorView> depth, TensorView feat, Optional<TensorView> r
         gat.n_keys = n_cells;
         forward_kernel<T, VEC, kHasDepth><<<grid, kThreads, 0, s>>>(
             gat, static_cast<T*>(out.data_ptr()), static_cast<int>(n), ppb,
-            static_cast<int>(channels), cells_per_batch, window, prezero ? 1 : 0);
+            static_cast<int>(channels), cells_per_batch, window);
         check_launch("bev_pool_v2 forward_kernel");
       };
       if (has_depth) {
@@ -976,6 +984,10 @@ void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
   if (grad_feat_acc.has_value()) {
     check_input(*grad_feat_acc, "grad_feat_acc", feat, kFloat32);
     check_same_shape(*grad_feat_acc, "grad_feat_acc", feat, "feat");
+    // vector atomics (atomic_add_scaled) write 8 / 16 bytes at a time
+    if (reinterpret_cast<uintptr_t>((*grad_feat_acc).data_ptr()) % 16 != 0) {
+      TVM_FFI_THROW(ValueError) << "grad_feat_acc must be 16-byte aligned";
+    }
   }
   if (n == 0 || grad_out.numel() == 0 || channels == 0) return;  // outputs stay zero
   DeviceGuard guard(feat.device().device_id);
@@ -991,7 +1003,8 @@ void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
       // A window narrower than one cell (huge C) is simply unused (window 0 cells).
       const int window_used = static_cast<int64_t>(window) * channels <= kStage ? window : 0;
       const int ppb = points_per_block_for(n, n_cells, std::max(window_used, 1), lanes,
-                                           feat.device().device_id, points_per_block);
+                                           feat.device().device_id, points_per_block,
+                                           kTargetBlocksPerSMBackward);
       const dim3 grid(static_cast<unsigned>((n + ppb - 1) / ppb));
       auto launch = [&](auto has_depth_tag, auto depth_grad_tag, auto atomic_tag) {
         constexpr bool kHasDepth = decltype(has_depth_tag)::value;
