@@ -24,15 +24,25 @@ backward is timed for both. Exit status 0 = agree, 1 = mismatch.
     python model_examples/BEVFormer/scripts/bevformer_encoder_layer.py               # GPU, upstream shapes
     python model_examples/BEVFormer/scripts/bevformer_encoder_layer.py --device cpu --small
 
-Tolerances (max |a - b| <= tol * max |b| per tensor; see _common.compare):
-- output 2e-5: float32; each MSDA output is a weighted sum of 4-32 bilinear samples whose
-  terms the native kernel adds in another order (~1e-7 relative), then LayerNorm rescales.
-- gradients 2e-4: the native backward accumulates grad_value with float32 atomics (order
-  varies run to run) over up to ~10^5 samples per pixel neighbourhood, and the projections'
-  weight gradients sum over 40000-180000 rows; in addition, a sampling location that falls
-  within float32 rounding of a pixel boundary may pick the neighbouring bilinear cell on one
-  path, which changes that one sample's location gradient. 2e-4 of each tensor's scale covers
-  that; an indexing error or a missing term gives O(1) relative errors.
+Checks (see _common):
+- module output, max |a - b| <= 2e-5 * max |b|: float32; each MSDA output is a weighted sum of
+  4-32 bilinear samples whose terms the native kernel adds in another order (~1e-7 relative),
+  then LayerNorm rescales.
+- module gradients, ||a - b||_2 <= GRAD_L2_TOL * ||b||_2 (L2, not max): the ~1e-7 forward
+  differences move a few of the 20 M FFN pre-activations across ReLU's kink and a few SCA
+  sampling locations across a pixel edge (bilinear cell choice), so those elements' gradients
+  differ by O(1) between two correct backends. That was seen on the H200 at these shapes
+  (max-relative 1e-2 in ffn.0 and the query gradient, native vs reference, while native vs
+  native and reference vs reference agree exactly), and on the CPU with the reference against
+  itself, inputs perturbed by ~1 float32 ulp (x * (1 + 2^-23 * randn)): max-relative 8.5e-3
+  (query, prev_bev) and 7.9e-3 (ffn.0.weight), L2-relative at most 5.5e-4 (ffn.0), 1e-4 to
+  3e-4 elsewhere. GRAD_L2_TOL = 3e-3 leaves a 5x margin; an indexing error or a missing term
+  gives O(1).
+- every MSDA call of run A (TSA and SCA), re-run with both backends on its recorded inputs
+  (sampling locations nudged 2e-3 px off pixel edges) and the gradient it received in the
+  module: output max-relative <= 2e-5, gradients of value / sampling_locations /
+  attention_weights max-relative <= 2e-4 (float32 atomics in grad_value, sums over up to ~10^5
+  samples). This is the tight, per-op native-vs-reference check.
 """
 
 from __future__ import annotations
@@ -50,9 +60,19 @@ import _common  # noqa: E402
 
 import mu_space  # noqa: E402
 from mu_space.testing import bev_geometry  # noqa: E402
+from mu_space.testing.msda_inputs import nudge_off_pixel_edges  # noqa: E402
 
 OUT_TOL = 2e-5
-GRAD_TOL = 2e-4
+GRAD_OP_TOL = 2e-4  # per-op re-run (max-relative)
+GRAD_L2_TOL = 3e-3  # module gradients (L2-relative); calibration in the module docstring
+
+
+def _nudged(args: tuple) -> tuple:
+    value, shapes, starts, loc, weights = args
+    return value, shapes, starts, nudge_off_pixel_edges(loc, shapes), weights
+
+
+OP_CHECKS = {"multi_scale_deformable_attn": _common.OpCheck(OUT_TOL, GRAD_OP_TOL, _nudged)}
 
 
 @dataclass(frozen=True)
@@ -268,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{cfg.tsa_points} x 2 queues, SCA points {cfg.sca_points} over {cfg.z_anchors} "
              f"anchors)\nBEV queries seen per camera: {hits} (max_len {max(hits)})")
     return _common.run_ab(args, title, lambda backend: EncoderLayer(cfg, backend), inputs,
-                          OUT_TOL, GRAD_TOL)
+                          OUT_TOL, GRAD_L2_TOL, grad_metric="l2", op_checks=OP_CHECKS)
 
 
 if __name__ == "__main__":
