@@ -13,6 +13,10 @@ float32, float16 and bfloat16.
   directly with a fixed grad_out. `-det` cases: the deterministic mode (adds
   sort_by_cell(ranks_feat), which synchronises with the host once, a channels-last copy of
   grad_out and the sorted kernel).
+- prepare-forward: `bev_pool_prepare(coor, ...)` then `bev_pool_v2(depth, feat,
+  *ranks.bev_pool_v2_args(shape))`, what a model runs per forward in place of BEVDet's torch
+  prepare + kernel (issue-3 target: <= 40 us); reference: the reference prepare + reference
+  pooling. Compulsory bytes: coor + depth + feat + output (the ranks are intermediates).
 - sweep (float32, forward and backward): the bevdet-r50 rig scaled by cameras, depth bins and
   batch, ~10k to ~5.6M points (params.sweep = "n_points").
 
@@ -61,6 +65,40 @@ def inputs(cfg, dtype: torch.dtype) -> tuple:
         _cache[key] = (g["depth"].to(device), g["feat"].to(device),
                        *r.bev_pool_v2_args(g["bev_feat_shape"]))
     return _cache[key]
+
+
+def geometry(cfg) -> dict:
+    """The frustum coordinates and grid of `cfg` on the benchmark device (prepare-forward)."""
+    key = ("geometry", cfg)
+    if key not in _cache:
+        g = bev_geometry.make(cfg)
+        _cache[key] = {**g, "coor": g["coor"].to(harness.default_device())}
+    return _cache[key]
+
+
+def prepare_forward_case(cfg, dtype: torch.dtype) -> Case:
+    from mu_space.ops.bev_pool_prepare import bev_pool_prepare
+    from mu_space.ops.bev_pool_v2 import bev_pool_v2
+
+    g = geometry(cfg)
+    depth, feat = inputs(cfg, dtype)[:2]
+    shape = g["bev_feat_shape"]
+    grid = (g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
+    B, Z, Y, X, C = shape
+
+    def run(prepare, backend):
+        ranks = prepare(g["coor"], *grid, **({} if backend is None else {"backend": backend}))
+        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape),
+                           backend=backend or "reference")
+
+    return Case(name=f"{cfg}-prepare-forward-{harness.dtype_name(dtype)}", op="bev_pool_v2",
+                direction="forward", dtype=dtype,
+                params={"config": cfg, "C": C, "bev_feat_shape": list(shape),
+                        "mode": "bev_pool_prepare + bev_pool_v2"},
+                compulsory_bytes=_nbytes(g["coor"]) + _nbytes(depth) + _nbytes(feat)
+                + B * Z * Y * X * C * feat.element_size(),
+                fn=lambda: run(bev_pool_prepare, "native"), make_args=lambda: (),
+                reference=lambda: run(bev_pool_prepare_reference, None), check=_check(dtype))
 
 
 def _nbytes(t) -> int:
@@ -136,6 +174,8 @@ def build_cases(quick: bool, graph: bool = False) -> list[Case]:
             # the deterministic backward synchronises with the host: not graph-capturable
             cases += cases_for(cfg, inputs(cfg, dtype), dtype, {"config": cfg},
                                deterministic_backward=not graph)
+            if dtype != torch.bfloat16 and not graph:  # prepare reads one count back: no graph
+                cases.append(prepare_forward_case(cfg, dtype))
     for cameras, step, batch in (QUICK_SWEEP if quick else SWEEP):
         cfg = sweep_config(cameras, step, batch)
         args = inputs(cfg, torch.float32)

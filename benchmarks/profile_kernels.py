@@ -1,0 +1,79 @@
+"""Run each hot kernel once inside a profiler range, for Nsight Compute.
+
+    ncu --clock-control none --profile-from-start off --set detailed \
+        python3 -m benchmarks.profile_kernels [--only REGEX]
+
+Workloads (realistic inputs, as in the benchmarks): bev_pool_v2 forward (bevdet-r50 float32 /
+float16, bevdet-r50-d88 float32) and default backward (bevdet-r50 float32), bev_pool_prepare
+(bevdet-r50), bev_pool (bevfusion-cam float32), multi_scale_deformable_attn forward and backward
+(deformable-detr and bevformer-base-tsa, float32). Each is warmed up first, so only the timed
+call's kernels fall inside the range. ncu flushes caches between kernel replays by default
+(cold L2, as the benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import torch
+
+
+def workloads():
+    from benchmarks import bench_bev_pool_v2
+    from mu_space.ops.bev_pool import bev_pool
+    from mu_space.ops.bev_pool_prepare import bev_pool_prepare
+    from mu_space.ops.bev_pool_v2 import bev_pool_v2
+    from mu_space.ops.multi_scale_deformable_attn import _backward as msda_backward
+    from mu_space.ops.multi_scale_deformable_attn import multi_scale_deformable_attn
+    from mu_space.testing import bev_geometry, bev_pool_inputs, msda_inputs
+
+    v2_mod = sys.modules["mu_space.ops.bev_pool_v2"]  # the package re-exports the function
+    dev = torch.device("cuda")
+    for cfg, dtype in (("bevdet-r50", torch.float32), ("bevdet-r50", torch.float16),
+                       ("bevdet-r50-d88", torch.float32)):
+        args = bench_bev_pool_v2.inputs(cfg, dtype)
+        yield f"bev_pool_v2-fwd-{cfg}-{dtype}", lambda a=args: bev_pool_v2(*a, backend="native")
+    args = bench_bev_pool_v2.inputs("bevdet-r50", torch.float32)
+    B, Z, Y, X, C = args[5]
+    grad = torch.randn((B, C, Z, Y, X), device=dev)
+    yield "bev_pool_v2-bwd-bevdet-r50-float32", lambda: v2_mod._backward(
+        grad, *args, True, True, False, "native")
+    g = bev_geometry.make("bevdet-r50")
+    coor = g["coor"].to(dev)
+    yield "bev_pool_prepare-bevdet-r50", lambda: bev_pool_prepare(
+        coor, g["grid_lower_bound"], g["grid_interval"], g["grid_size"], backend="native")
+    f = bev_pool_inputs.bevfusion_inputs("bevfusion-cam", device=dev)
+    yield "bev_pool-bevfusion-cam-float32", lambda: bev_pool(
+        f["feats"], f["coords"], f["B"], f["D"], f["H"], f["W"], backend="native")
+    for cfg in ("deformable-detr", "bevformer-base-tsa"):
+        m = msda_inputs.args(msda_inputs.make(cfg, device=dev))
+        out = multi_scale_deformable_attn(*m)
+        go = torch.randn_like(out)
+        yield f"msda-fwd-{cfg}", lambda m=m: multi_scale_deformable_attn(*m)
+        yield f"msda-bwd-{cfg}", lambda m=m, go=go: msda_backward(go, *m, "native")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=".*", help="regex over workload names")
+    a = p.parse_args(argv)
+    chosen = [(n, fn) for n, fn in workloads() if re.search(a.only, n)]
+    for _, fn in chosen:  # warm-up: first-call allocations, caches, lazy loads
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    for name, fn in chosen:
+        print(f"== {name}", flush=True)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        with torch.cuda.nvtx.range(name):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
