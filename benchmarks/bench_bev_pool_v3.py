@@ -12,7 +12,9 @@ backward). Plus v1 mode (2-D ranks_bev = BEVFusion coords, int32) at bevfusion-c
 Compulsory bytes. forward: depth + feat + 3 int32 ranks per point + output;
 backward: grad_out + depth + feat + 3 int32 ranks per point + grad_depth + grad_feat
 (v1 mode: feat [n, C] + n*16 int32 coords + output; backward grad_out + n*4 + grad_feat).
-The reference is `bev_pool_v3(..., backend="reference")` (PyTorch gather + index_add).
+The reference is `bev_pool_v3(..., backend="reference")` (PyTorch gather + index_add); the
+backward reference is autograd through it in float32 (for 16-bit inputs too: autograd through
+the 16-bit reference accumulates grad_feat in float16), cast to the input dtype.
 """
 
 from __future__ import annotations
@@ -87,14 +89,16 @@ def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Cas
 
     grad = {}
 
-    def leaves():
-        d = None if depth is None else depth.clone().requires_grad_(True)
-        return d, feat.clone().requires_grad_(True)
+    def leaves(as_dtype=None):
+        d = None if depth is None else depth.to(as_dtype or dtype).clone().requires_grad_(True)
+        return d, feat.to(as_dtype or dtype).clone().requires_grad_(True)
 
     def make_args():
         d, f = leaves()
         out = bev_pool_v3(d, f, rd, rf, rb, shape, backend="native")
-        rd_, rf_ = leaves()
+        # the reference backward runs in float32: autograd through the 16-bit reference would
+        # accumulate grad_feat in float16 (index_add), several ulps off the float32 sums
+        rd_, rf_ = leaves(torch.float32)
         ref = bev_pool_v3(rd_, rf_, rd, rf, rb, shape, backend="reference")
         if "g" not in grad:
             grad["g"] = torch.randn_like(out)
@@ -104,7 +108,8 @@ def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Cas
         return torch.autograd.grad(out, xs, g, retain_graph=True)
 
     def reference_backward(out, xs, ref, ref_xs, g):
-        return torch.autograd.grad(ref, ref_xs, g, retain_graph=True)
+        grads = torch.autograd.grad(ref, ref_xs, g.to(ref.dtype), retain_graph=True)
+        return tuple(t.to(dtype) for t in grads)
 
     # depth mode reads depth, feat and the ranks and writes both grads; v1 mode reads one int32
     # cell per point (what its backward keeps) and writes grad_feat

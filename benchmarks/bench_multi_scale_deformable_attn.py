@@ -10,7 +10,8 @@ forward and backward, float32 / float16 / bfloat16:
 - deformable-detr:    bs 1, 15,200 queries, 8 heads x 32, 4 levels (100x152 .. 13x19), 8 points
 plus the deterministic backward (`torch.use_deterministic_algorithms(True)`: no float atomics)
 in float32 and float16 ("-det"), and a sweep over queries (1k -> 200k, deformable-detr levels,
-float32 and float16) showing how cost grows.
+float32 and float16; checked against the reference but not timed against it) showing how cost
+grows.
 
 Compulsory bytes. forward: value + sampling_locations + attention_weights + level metadata read,
 output written. backward: grad_output + value + sampling_locations + attention_weights + level
@@ -174,8 +175,13 @@ def build_cases(quick: bool) -> list[Case]:
         cfg = msda_inputs.scaled(SWEEP_BASE, queries=q)
         for dtype in SWEEP_DTYPES[:1] if quick else SWEEP_DTYPES:
             label = f"sweep-{SWEEP_BASE}-q{q}"
-            cases.append(forward_case(cfg, dtype, label, sweep="queries"))
-            cases.append(backward_case(cfg, dtype, label, sweep="queries"))
+            # checked against the reference, not timed against it: the sweep shows how cost
+            # grows; the speedups are in the model cases (the 200k reference backward alone
+            # takes ~0.5 s per call)
+            for case in (forward_case(cfg, dtype, label, sweep="queries"),
+                         backward_case(cfg, dtype, label, sweep="queries")):
+                case.time_reference = False
+                cases.append(case)
     return cases
 
 
