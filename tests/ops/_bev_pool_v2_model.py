@@ -1,9 +1,12 @@
 """A line-by-line Python model of the segmented block sum in csrc/bev/bev_pool_v2_musa.mu
 (find_owned_runs, owned_range, pool_runs, the two sinks, zero_unmarked), so the partition and
 ownership logic runs on machines without a GPU. It mirrors the kernel's control flow per block and
-per slot (not per lane: a lane's channels are summed as one vector) and counts the writes to each
-output key, so tests can check that every key is written exactly once and holds the right sum.
-Keep it in step with the kernel when the algorithm changes.
+per slot (not per lane: a lane's channels are summed as one vector) and counts the kernel's
+writes to each output key, so tests can check that no key is written twice and every key holds
+the right sum. The forward (window > 0) zero-fills its output before the kernel, so its staged
+sink zeroes nothing; the rows sink (window = 0, deterministic grad_feat) zeroes the keys without
+points itself and writes every key exactly once. Keep it in step with the kernel when the
+algorithm changes.
 """
 
 from __future__ import annotations
@@ -44,14 +47,16 @@ def _clamp(key, n_keys):
 
 def segmented_pool(keys, values, n_keys, *, points_per_block, lanes, threads=256, window=0,
                    bitmap_bits=4096, search_span=1024):
-    """Model of forward_kernel (window > 0: StagedChannelsFirst) / grad_feat_sorted_kernel
-    (window = 0: Rows). keys: int [n] segment keys; values: float64 [n, C] = weight * row (0 for a
-    bad point). Returns (out [n_keys, C] float64, writes [n_keys] int, partial_sum_slots).
-    NaN in `out` marks a key never written."""
+    """Model of forward_kernel (window > 0: StagedChannelsFirst, output zero-filled first) /
+    grad_feat_sorted_kernel (window = 0: Rows). keys: int [n] segment keys; values: float64
+    [n, C] = weight * row (0 for a bad point). Returns (out [n_keys, C] float64, writes [n_keys]
+    int: the kernel's writes, partial_sum_slots). Rows sink: NaN in `out` marks a key never
+    written."""
     keys = [int(k) for k in keys]
     n = len(keys)
     C = values.shape[1]
-    out = np.full((n_keys, C), np.nan)
+    zero_filled = window > 0
+    out = np.zeros((n_keys, C)) if zero_filled else np.full((n_keys, C), np.nan)
     writes = np.zeros(n_keys, dtype=np.int64)
     crossings = 0
     n_blocks = math.ceil(n / points_per_block)
@@ -76,7 +81,7 @@ def segmented_pool(keys, values, n_keys, *, points_per_block, lanes, threads=256
             else:
                 out[x] = v
                 writes[x] += 1
-                if 0 <= x - z0 < bitmap_bits:
+                if not zero_filled and 0 <= x - z0 < bitmap_bits:
                     bitmap.add(x - z0)
 
         S = threads // lanes
@@ -120,8 +125,8 @@ def segmented_pool(keys, values, n_keys, *, points_per_block, lanes, threads=256
         for w in range(win):  # flush
             out[lo + w] = stage[w]
             writes[lo + w] += 1
-        start = z0
-        while start < hi:  # zero_unmarked
+        start = hi if zero_filled else z0
+        while start < hi:  # zero_unmarked (rows sink only)
             if start != z0:
                 bitmap = {int(keys[j]) - start for j in range(q0, q1)
                           if 0 <= int(keys[j]) - start < bitmap_bits}
