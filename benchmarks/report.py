@@ -15,7 +15,24 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def overhead_table(doc: dict) -> str:
+    """bench_overhead's results: microseconds per call of each calling variant."""
+    meta = doc["metadata"]
+    lines = [f"{meta.get('gpu_name')}, torch {meta.get('torch_version')}, commit "
+             f"{meta.get('git_commit')}, {meta.get('date_utc')}; {doc.get('calls')} calls x "
+             f"{doc.get('trials')} trials (median).",
+             "",
+             "| variant | us per call | ratio to torch.add |",
+             "| --- | ---: | ---: |"]
+    for r in doc["results"]:
+        lines.append(f"| {r['variant']} | {_fmt(r.get('us_per_call'), '.2f')} | "
+                     f"{_fmt(r.get('ratio_to_torch_add'), '.2f')} |")
+    return "\n".join(lines)
+
+
 def markdown_table(doc: dict, pattern: str | None = None) -> str:
+    if doc.get("benchmark") == "overhead":
+        return overhead_table(doc)
     meta = doc["metadata"]
     lines = [f"{meta.get('gpu_name')}, torch {meta.get('torch_version')}, CUDA "
              f"{meta.get('cuda_version')}, commit {meta.get('git_commit')}, {meta.get('date_utc')}; "

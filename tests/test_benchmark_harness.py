@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,3 +259,17 @@ def test_plot_writes_png(tmp_path, clock):
     assert plot.main([str(tmp_path)]) == 0
     png = path.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_tables_read_the_committed_results():
+    """benchmarks.report turns every committed results file into a markdown table (the docs
+    quote them), including bench_overhead's own format."""
+    from benchmarks import report
+
+    files = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("*/*.json"))
+    assert files, "no committed benchmark results"
+    for f in files:
+        doc = json.loads(f.read_text())
+        table = report.markdown_table(doc)
+        rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+        assert len(rows) == len(doc["results"]) + 1, f.name  # header + one row per result
