@@ -11,6 +11,7 @@ Every module goes into sys.modules through monkeypatch, so nothing leaks between
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 import types
 
 import pytest
@@ -497,3 +498,20 @@ def test_patched_calls_match_the_standins_on_the_gpu(upstream):
     assert_close(got_bev.cpu(), want_bev, **F32)
     assert_close(got_pool.cpu(), want_pool, **F32)
     assert_close(got_msda.cpu(), want_msda, atol=1e-4, rtol=1e-4)  # MSDA self-check tolerance
+
+
+def test_operator_matrix_names_every_default_patch_and_recipe():
+    """The registry's `patches` / `recipes` (the operator matrix's models column) name real
+    default patches and model_examples directories, and every default patch is listed under the
+    op it calls."""
+    import mu_space.ops  # noqa: F401  (registers the operators)
+    from mu_space.runtime import registry
+
+    root = Path(__file__).resolve().parents[1]
+    default_names = {p.name for p in default_patcher().patches}
+    listed = set()
+    for spec in registry.operators(public_only=True):
+        listed.update(spec.patches)
+        for recipe in spec.recipes:
+            assert (root / recipe / "README.md").is_file(), f"{spec.name}: no {recipe}/README.md"
+    assert listed == default_names, f"unlisted {default_names - listed}, unknown {listed - default_names}"

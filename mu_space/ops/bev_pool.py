@@ -112,4 +112,5 @@ registry.register(registry.OperatorSpec(
     native_entry_points=_ROWS_ENTRY_POINTS, self_check_cases=_self_check_cases,
     dtypes=("float32", "float16", "bfloat16"), backward="native",
     upstream="BEVFusion bev_pool", models="BEVFusion (camera branch), DepthLSS-style transforms",
+    patches=("bevfusion.bev_pool",), recipes=("model_examples/BEVFusion",),
     doc="docs/operators/bev_pool.md"))

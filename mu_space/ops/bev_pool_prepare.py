@@ -615,7 +615,8 @@ registry.register(registry.OperatorSpec(
     native_entry_points=("bev_pool_prepare_forward", "bev_pool_sort_workspace_ints"),
     self_check_cases=_self_check_cases, dtypes=("float32", "float16", "bfloat16"),
     backward="no", upstream="BEVDet `voxel_pooling_prepare_v2`",
-    models="BEVDet, BEVDepth, FlashOCC", doc="docs/operators/bev_pool_prepare.md"))
+    models="BEVDet, BEVDepth, FlashOCC", patches=("bevdet.voxel_pooling_prepare_v2",),
+    recipes=("model_examples/BEVDet",), doc="docs/operators/bev_pool_prepare.md"))
 
 registry.register(registry.OperatorSpec(
     name=SORT_OP, family="bev", api=sort_by_cell, reference=sort_by_cell_reference,

@@ -515,4 +515,5 @@ registry.register(registry.OperatorSpec(
     native_entry_points=ENTRY_POINTS, self_check_cases=_self_check_cases,
     dtypes=("float32", "float16", "bfloat16"), backward="native",
     upstream="BEVDet `bev_pool_v2`", models="BEVDet, BEVDepth, FlashOCC",
+    patches=("bevdet.bev_pool_v2",), recipes=("model_examples/BEVDet",),
     doc="docs/operators/bev_pool_v2.md"))

@@ -547,4 +547,6 @@ registry.register(registry.OperatorSpec(
     self_check_cases=_self_check_cases, dtypes=("float32", "float16", "bfloat16"),
     backward="native", upstream="mmcv MultiScaleDeformableAttnFunction",
     models="BEVFormer, Deformable DETR, MapTR",
+    patches=("mmcv.MultiScaleDeformableAttnFunction", "mmcv.multi_scale_deformable_attn_pytorch"),
+    recipes=("model_examples/BEVFormer",),
     doc="docs/operators/multi_scale_deformable_attn.md"))

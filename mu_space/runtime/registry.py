@@ -33,6 +33,8 @@ class OperatorSpec:
     backward: str = "no"  # "native", "reference", "no"
     upstream: str = ""  # API it is drop-in compatible with
     models: str = ""
+    patches: tuple[str, ...] = ()  # names of the default_patcher() patches that call this op
+    recipes: tuple[str, ...] = ()  # model_examples/<Model> directories that run it
     doc: str = ""  # docs/operators/<op>.md
     public: bool = True  # False for build smokes (add_one): not in the operator matrix
 
@@ -65,14 +67,19 @@ def operator_matrix_markdown() -> str:
         "fails when this file and the registry disagree. Verification status per backend is in",
         "the README (CUDA kernels verified on NVIDIA H200; MUSA build path not verified on hardware).",
         "",
-        "| operator | family | dtypes | native entry points | backward | upstream API | models | doc |",
+        "| operator | family | dtypes | native entry points | backward | upstream API | models "
+        "(default patches; recipes) | doc |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in operators(public_only=True):
         doc = f"[{s.doc}]({s.doc.removeprefix('docs/')})" if s.doc else ""
+        adoption = "; ".join(part for part in (
+            ", ".join(f"`{p}`" for p in s.patches),
+            ", ".join(f"[{r.rsplit('/', 1)[-1]}](../{r}/README.md)" for r in s.recipes)) if part)
+        models = f"{s.models} ({adoption})" if adoption else s.models
         lines.append(f"| `{s.name}` | {s.family} | {', '.join(s.dtypes)} | "
                      f"{', '.join(f'`{e}`' for e in s.native_entry_points)} | {s.backward} | "
-                     f"{s.upstream} | {s.models} | {doc} |")
+                     f"{s.upstream} | {models} | {doc} |")
     if not operators(public_only=True):
         lines.append("| (none yet) | | | | | | | |")
     return "\n".join(lines) + "\n"
