@@ -82,7 +82,8 @@ _POINTS_PER_BLOCK = int(os.environ.get("MUSPACE_BEV_POOL_V2_POINTS_PER_BLOCK", "
 
 
 
-def _check_int32(t, name: str, ref: torch.Tensor, n: int | None = None) -> None:
+def _check_int32(t, name: str, ref: torch.Tensor, n: int | None = None,
+                 n_of: str = "ranks_bev") -> None:
     check_tensor(t, name)
     check_same_device(t, name, ref)
     if t.dtype != torch.int32:
@@ -90,7 +91,7 @@ def _check_int32(t, name: str, ref: torch.Tensor, n: int | None = None) -> None:
     if t.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got {t.dim()}-D")
     if n is not None and t.shape[0] != n:
-        raise ValueError(f"{name} must have {n} entries (the length of ranks_bev), got {t.shape[0]}")
+        raise ValueError(f"{name} must have {n} entries (the length of {n_of}), got {t.shape[0]}")
 
 
 def _shape(bev_feat_shape) -> tuple[int, int, int, int, int]:
@@ -132,7 +133,8 @@ def _check(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape, inte
                             f"{dtype_name(depth.dtype)}")
         _check_int32(ranks_depth, "ranks_depth", feat, n)
     _check_int32(interval_starts, "interval_starts", feat)
-    _check_int32(interval_lengths, "interval_lengths", feat, interval_starts.shape[0])
+    _check_int32(interval_lengths, "interval_lengths", feat, interval_starts.shape[0],
+                 n_of="interval_starts")
     return shape
 
 
