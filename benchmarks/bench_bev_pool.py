@@ -74,8 +74,7 @@ def _out_elems(a) -> int:
 
 
 def _check(dtype):
-    atol, rtol = CHECK_TOL[dtype]
-    return lambda out, ref: torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    return harness.close_check(*CHECK_TOL[dtype])
 
 
 def forward_case(name: str, a: dict, dtype: torch.dtype, params: dict) -> Case:

@@ -86,10 +86,13 @@ def prepare_forward_case(cfg, dtype: torch.dtype) -> Case:
     grid = (g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
     B, Z, Y, X, C = shape
 
-    def run(prepare, backend):
-        ranks = prepare(g["coor"], *grid, **({} if backend is None else {"backend": backend}))
-        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape),
-                           backend=backend or "reference")
+    def native():
+        ranks = bev_pool_prepare(g["coor"], *grid, backend="native")
+        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend="native")
+
+    def reference():
+        ranks = bev_pool_prepare_reference(g["coor"], *grid)
+        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend="reference")
 
     return Case(name=f"{cfg}-prepare-forward-{harness.dtype_name(dtype)}", op="bev_pool_v2",
                 direction="forward", dtype=dtype,
@@ -97,8 +100,7 @@ def prepare_forward_case(cfg, dtype: torch.dtype) -> Case:
                         "mode": "bev_pool_prepare + bev_pool_v2"},
                 compulsory_bytes=_nbytes(g["coor"]) + _nbytes(depth) + _nbytes(feat)
                 + B * Z * Y * X * C * feat.element_size(),
-                fn=lambda: run(bev_pool_prepare, "native"), make_args=lambda: (),
-                reference=lambda: run(bev_pool_prepare_reference, None), check=_check(dtype))
+                fn=native, make_args=lambda: (), reference=reference, check=_check(dtype))
 
 
 def _nbytes(t) -> int:
@@ -106,15 +108,7 @@ def _nbytes(t) -> int:
 
 
 def _check(dtype):
-    atol, rtol = CHECK_TOL[dtype]
-
-    def check(out, ref):
-        outs = out if isinstance(out, tuple) else (out,)
-        refs = ref if isinstance(ref, tuple) else (ref,)
-        for o, r in zip(outs, refs):
-            torch.testing.assert_close(o, r, atol=atol, rtol=rtol)
-
-    return check
+    return harness.close_check(*CHECK_TOL[dtype])
 
 
 def cases_for(name: str, args: tuple, dtype: torch.dtype, params: dict,

@@ -37,8 +37,7 @@ _inputs: dict = {}
 
 
 def _check(dtype):
-    atol, rtol = CHECK_TOL[dtype]
-    return lambda out, ref: torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    return harness.close_check(*CHECK_TOL[dtype])
 
 
 def v2_inputs(cfg: str, dtype: torch.dtype) -> dict:

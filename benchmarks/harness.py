@@ -242,6 +242,12 @@ def _default_check(out: Any, ref: Any) -> None:
     torch.testing.assert_close(out, ref)
 
 
+def close_check(atol: float, rtol: float) -> Callable[[Any, Any], None]:
+    """A Case.check: torch.testing.assert_close with these tolerances (tensors, or tuples of
+    tensors / None, compared element by element)."""
+    return lambda out, ref: torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
 @dataclass
 class Case:
     """One timed configuration. fn(*make_args()) is the path under test.
