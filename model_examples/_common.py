@@ -153,36 +153,34 @@ class OpCall:
     requires_grad: tuple = field(default_factory=tuple)
 
 
+def _recording(name: str, op: Callable, calls: list[OpCall]) -> Callable:
+    """`op` that also appends each call's inputs (detached copies) to `calls` and, once backward
+    has run, the gradient of its output."""
+    def recorded(*args, **kwargs):
+        out = op(*args, **kwargs)
+        call = OpCall(name, tuple(a.detach().clone() if torch.is_tensor(a) else a for a in args),
+                      {k: v for k, v in kwargs.items() if k != "backend"},
+                      requires_grad=tuple(torch.is_tensor(a) and a.requires_grad for a in args))
+        if out.requires_grad:
+            def keep(grad, call=call):
+                call.grad_output = grad.detach().clone()
+            out.register_hook(keep)
+        calls.append(call)
+        return out
+    return recorded
+
+
 @contextlib.contextmanager
-def record_op_calls(names, calls: list[OpCall]):
-    """Wraps the public `mu_space.<name>` functions (the scripts call them through the package
-    attribute) to append each call's inputs (detached copies) and, once backward has run, the
-    gradient of its output."""
-    import mu_space
+def record_op_calls(names):
+    """Patches the public `mu_space.<name>` functions (the scripts call them through the package
+    attribute) with recording wrappers; yields the list of recorded `OpCall`s."""
+    from mu_space.patcher import Patch, Patcher
 
-    originals = {name: getattr(mu_space, name) for name in names}
-
-    def wrap(name, fn):
-        def recorded(*args, **kwargs):
-            out = fn(*args, **kwargs)
-            call = OpCall(name, tuple(a.detach().clone() if torch.is_tensor(a) else a for a in args),
-                          {k: v for k, v in kwargs.items() if k != "backend"},
-                          requires_grad=tuple(torch.is_tensor(a) and a.requires_grad for a in args))
-            if out.requires_grad:
-                def keep(grad, call=call):
-                    call.grad_output = grad.detach().clone()
-                out.register_hook(keep)
-            calls.append(call)
-            return out
-        return recorded
-
-    for name, fn in originals.items():
-        setattr(mu_space, name, wrap(name, fn))
-    try:
+    calls: list[OpCall] = []
+    patches = [Patch(f"record {name}", f"mu_space.{name}",
+                     lambda op, name=name: _recording(name, op, calls)) for name in names]
+    with Patcher(patches):
         yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(mu_space, name, fn)
 
 
 def _run_call(call: OpCall, args: tuple, backend: str):
@@ -288,8 +286,7 @@ def run_ab(args: argparse.Namespace, title: str, build: Callable[[str], torch.nn
         print(f"  output {k}: {tuple(v.shape)}")
     del probe
 
-    calls: list[OpCall] = []
-    with record_op_calls(op_checks or {}, calls):
+    with record_op_calls(op_checks or {}) as calls:
         res_a = forward_backward(modules["A"], inputs, weights, True, no_grad_inputs)
     res_b = forward_backward(modules["B"], inputs, weights, True, no_grad_inputs)
     bound = "max|a-b| <= tol * max|b|" if grad_metric == "max" else \
