@@ -86,9 +86,9 @@ constexpr int kTargetBlocksPerSM = 4;  // P is at most n / (SMs * 4): all SMs bu
 constexpr int kTargetBlocksPerSMBackward = 12;
 constexpr int kMaxPointsPerSlot = 32;  // ... and at most 32 points per slot (latency bound)
 constexpr int kMinPointsPerSlot = 4;   // ... and at least 4 (amortises the search round)
-// Sparse outputs (more than 4 keys per point: few points, big grid): the empty keys are zeroed
+// Deterministic grad_feat with more than 4 feat rows per point: rows without points are zeroed
 // by a grid-wide fill before the kernel instead of by their owning blocks, because one block
-// could own almost all of them (e.g. 6 points in a 4096 x 4096 grid).
+// could own almost all of them. (The forward always zero-fills its output first.)
 constexpr int64_t kSparseKeysPerPoint = 4;
 constexpr int kZeroFillMaxBlocks = 4096;
 constexpr int kNotFound = INT_MAX;
