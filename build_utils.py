@@ -112,20 +112,28 @@ def detect_toolchain(env=None) -> BuildPlan:
         arch = env.get("MUSA_ARCH", "")
         source = "MUSA_ARCH" if arch else f"default mp_{DEFAULT_MUSA_ARCH}"
         version = _run_text([str(mcc), "--version"]).strip().splitlines()[:1]
-        return BuildPlan(Toolchain("musa", str(mcc), [arch or DEFAULT_MUSA_ARCH], source,
-                                   version[0] if version else ""))
+        return BuildPlan(
+            Toolchain(
+                "musa", str(mcc), [arch or DEFAULT_MUSA_ARCH], source, version[0] if version else ""
+            )
+        )
     nvcc = _find_nvcc(env)
     if nvcc:
         if env.get("CUDA_ARCH"):
             archs, source = _parse_arch_list(env["CUDA_ARCH"]), "CUDA_ARCH"
-        elif (visible := _visible_cuda_archs()):
+        elif visible := _visible_cuda_archs():
             archs, source = visible, "visible GPU"
         else:
             archs, source = list(DEFAULT_CUDA_ARCHS), "default list (no CUDA_ARCH, no visible GPU)"
         version = [l for l in _run_text([nvcc, "--version"]).splitlines() if "release" in l]
-        return BuildPlan(Toolchain("cuda", nvcc, archs, source, version[0].strip() if version else ""))
-    return BuildPlan(None, f"no GPU toolchain found (no mcc under MUSA_HOME={musa_home}, "
-                           "no nvcc on PATH or under CUDA_HOME)")
+        return BuildPlan(
+            Toolchain("cuda", nvcc, archs, source, version[0].strip() if version else "")
+        )
+    return BuildPlan(
+        None,
+        f"no GPU toolchain found (no mcc under MUSA_HOME={musa_home}, "
+        "no nvcc on PATH or under CUDA_HOME)",
+    )
 
 
 def _tvm_ffi_paths() -> tuple[list[str], str, str]:
@@ -152,13 +160,41 @@ def _cuda_arch_flags(archs: list[str]) -> list[str]:
 def compile_command(tc: Toolchain, source: Path, obj: Path, includes: list[str]) -> list[str]:
     inc = [f"-I{ROOT / 'csrc' / 'ffi'}"] + [f"-I{p}" for p in includes]
     if tc.backend == "cuda":
-        return [tc.compiler, "-x", "cu", "-std=c++17", "-O3", "-lineinfo", "-Xcompiler", "-fPIC",
-                "--expt-relaxed-constexpr", "-DMUSPACE_BUILD_CUDA", *_cuda_arch_flags(tc.archs),
-                *inc, "-c", str(source), "-o", str(obj)]
+        return [
+            tc.compiler,
+            "-x",
+            "cu",
+            "-std=c++17",
+            "-O3",
+            "-lineinfo",
+            "-Xcompiler",
+            "-fPIC",
+            "--expt-relaxed-constexpr",
+            "-DMUSPACE_BUILD_CUDA",
+            *_cuda_arch_flags(tc.archs),
+            *inc,
+            "-c",
+            str(source),
+            "-o",
+            str(obj),
+        ]
     arch = tc.archs[0]
-    return [tc.compiler, "-x", "musa", "-std=c++17", "-O3", "-fPIC", f"--offload-arch=mp_{arch}",
-            "-DMUSPACE_BUILD_MUSA", f"-DMUSPACE_MUSA_ARCH={arch}", *inc, "-c", str(source),
-            "-o", str(obj)]
+    return [
+        tc.compiler,
+        "-x",
+        "musa",
+        "-std=c++17",
+        "-O3",
+        "-fPIC",
+        f"--offload-arch=mp_{arch}",
+        "-DMUSPACE_BUILD_MUSA",
+        f"-DMUSPACE_MUSA_ARCH={arch}",
+        *inc,
+        "-c",
+        str(source),
+        "-o",
+        str(obj),
+    ]
 
 
 def link_command(tc: Toolchain, objs: list[Path], out: Path, tvm_lib_dir: str) -> list[str]:
@@ -172,8 +208,10 @@ def link_command(tc: Toolchain, objs: list[Path], out: Path, tvm_lib_dir: str) -
 def _run_checked(cmd: list[str], what: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"mu_space native build: {what} failed (exit {proc.returncode})\n"
-                           f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+        raise RuntimeError(
+            f"mu_space native build: {what} failed (exit {proc.returncode})\n"
+            f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
+        )
 
 
 def build(plan: BuildPlan, out_dir: Path, jobs: int | None = None, verbose: bool = False) -> Path:
@@ -213,8 +251,11 @@ def build(plan: BuildPlan, out_dir: Path, jobs: int | None = None, verbose: bool
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (out_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    print(f"mu_space: built {library} for {tc.backend} {','.join(tc.archs)} "
-          f"in {info['build_seconds']} s", flush=True)
+    print(
+        f"mu_space: built {library} for {tc.backend} {','.join(tc.archs)} "
+        f"in {info['build_seconds']} s",
+        flush=True,
+    )
     return library
 
 
@@ -222,8 +263,10 @@ def describe(plan: BuildPlan) -> str:
     if plan.toolchain is None:
         return f"mu_space: building without the native library: {plan.skip_reason}"
     tc = plan.toolchain
-    return (f"mu_space: native {tc.backend} build with {tc.compiler} for "
-            f"{','.join(tc.archs)} ({tc.arch_source}), {len(plan.sources)} sources")
+    return (
+        f"mu_space: native {tc.backend} build with {tc.compiler} for "
+        f"{','.join(tc.archs)} ({tc.arch_source}), {len(plan.sources)} sources"
+    )
 
 
 def main(argv=None) -> int:
@@ -237,8 +280,16 @@ def main(argv=None) -> int:
     plan = detect_toolchain()
     print(describe(plan))
     if args.plan:
-        print(json.dumps({"toolchain": asdict(plan.toolchain) if plan.toolchain else None,
-                          "skip_reason": plan.skip_reason, "sources": plan.sources}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "toolchain": asdict(plan.toolchain) if plan.toolchain else None,
+                    "skip_reason": plan.skip_reason,
+                    "sources": plan.sources,
+                },
+                indent=2,
+            )
+        )
         return 0
     if plan.toolchain is None:
         return 1

@@ -50,8 +50,9 @@ def inputs(batch: int, dtype: torch.dtype, n_points: int | None = None) -> dict:
     if key not in _inputs:
         base_key = (batch, dtype, None)
         if base_key not in _inputs:
-            _inputs[base_key] = bevfusion_inputs(CONFIG, batch=batch, dtype=dtype,
-                                                 device=harness.default_device())
+            _inputs[base_key] = bevfusion_inputs(
+                CONFIG, batch=batch, dtype=dtype, device=harness.default_device()
+            )
         a = _inputs[base_key]
         if n_points is not None:
             n = a["feats"].shape[0]
@@ -59,7 +60,11 @@ def inputs(batch: int, dtype: torch.dtype, n_points: int | None = None) -> dict:
                 raise ValueError(f"{n_points} points requested, the geometry has {n}")
             g = torch.Generator().manual_seed(n_points)
             idx = torch.randperm(n, generator=g)[:n_points].to(a["feats"].device)
-            a = {**a, "feats": a["feats"][idx].contiguous(), "coords": a["coords"][idx].contiguous()}
+            a = {
+                **a,
+                "feats": a["feats"][idx].contiguous(),
+                "coords": a["coords"][idx].contiguous(),
+            }
         _inputs[key] = a
     return _inputs[key]
 
@@ -82,13 +87,19 @@ def forward_case(name: str, a: dict, dtype: torch.dtype, params: dict) -> Case:
     n, C = a["feats"].shape
     es = a["feats"].element_size()
     return Case(
-        name=name, op="bev_pool", direction="forward", dtype=dtype, params=params,
-        compulsory_bytes=n * C * es + a["coords"].numel() * a["coords"].element_size()
+        name=name,
+        op="bev_pool",
+        direction="forward",
+        dtype=dtype,
+        params=params,
+        compulsory_bytes=n * C * es
+        + a["coords"].numel() * a["coords"].element_size()
         + _out_elems(a) * es,
         fn=lambda f, c: bev_pool(f, c, *dims, backend="native"),
         make_args=lambda: (a["feats"].clone(), a["coords"].clone()),
         reference=lambda f, c: bev_pool(f, c, *dims, backend="reference"),
-        check=_check(dtype))
+        check=_check(dtype),
+    )
 
 
 def backward_case(name: str, a: dict, dtype: torch.dtype, params: dict) -> Case:
@@ -113,10 +124,17 @@ def backward_case(name: str, a: dict, dtype: torch.dtype, params: dict) -> Case:
         return torch.autograd.grad(ref_out, ref_feats, g, retain_graph=True)[0]
 
     return Case(
-        name=name, op="bev_pool", direction="backward", dtype=dtype, params=params,
+        name=name,
+        op="bev_pool",
+        direction="backward",
+        dtype=dtype,
+        params=params,
         compulsory_bytes=_out_elems(a) * es + n * 4 + n * C * es,
-        fn=native_backward, make_args=make_args, reference=reference_backward,
-        check=_check(dtype))
+        fn=native_backward,
+        make_args=make_args,
+        reference=reference_backward,
+        check=_check(dtype),
+    )
 
 
 def step_cases(a: dict) -> list[Case]:
@@ -126,15 +144,27 @@ def step_cases(a: dict) -> list[Case]:
     params = {"config": CONFIG, "n_points": n}
     cells = _coords_to_cells(a["coords"], (B, D, H, W))
     return [
-        Case(name=f"{CONFIG}-cells", op="bev_pool.cells", direction="forward",
-             dtype=a["coords"].dtype, params=params,
-             compulsory_bytes=a["coords"].numel() * a["coords"].element_size() + n * cells.element_size(),
-             fn=lambda c: _coords_to_cells(c, (B, D, H, W)), make_args=lambda: a["coords"].clone()),
-        Case(name=f"{CONFIG}-sort", op="sort_by_cell", direction="forward", dtype=cells.dtype,
-             params={**params, "n_cells": B * D * H * W},
-             compulsory_bytes=n * cells.element_size() + n * 4,
-             fn=lambda c: sort_by_cell(c, B * D * H * W, backend="native"),
-             make_args=lambda: cells.clone()),
+        Case(
+            name=f"{CONFIG}-cells",
+            op="bev_pool.cells",
+            direction="forward",
+            dtype=a["coords"].dtype,
+            params=params,
+            compulsory_bytes=a["coords"].numel() * a["coords"].element_size()
+            + n * cells.element_size(),
+            fn=lambda c: _coords_to_cells(c, (B, D, H, W)),
+            make_args=lambda: a["coords"].clone(),
+        ),
+        Case(
+            name=f"{CONFIG}-sort",
+            op="sort_by_cell",
+            direction="forward",
+            dtype=cells.dtype,
+            params={**params, "n_cells": B * D * H * W},
+            compulsory_bytes=n * cells.element_size() + n * 4,
+            fn=lambda c: sort_by_cell(c, B * D * H * W, backend="native"),
+            make_args=lambda: cells.clone(),
+        ),
     ]
 
 
@@ -148,12 +178,19 @@ def build_cases(quick: bool) -> list[Case]:
         cases.append(forward_case(f"{CONFIG}-forward-{d}", a, dtype, params))
         cases.append(backward_case(f"{CONFIG}-backward-{d}", a, dtype, params))
     cases += step_cases(inputs(1, torch.float32))
-    for n_points in (QUICK_SWEEP if quick else SWEEP):
-        for dtype in ((torch.float32,) if quick else DTYPES):
+    for n_points in QUICK_SWEEP if quick else SWEEP:
+        for dtype in (torch.float32,) if quick else DTYPES:
             a = inputs(SWEEP_BATCH, dtype, n_points)
-            params = {"sweep": "n_points", "n_points": n_points, "config": f"{CONFIG} B={SWEEP_BATCH}"}
-            cases.append(forward_case(f"sweep-n{n_points}-forward-{harness.dtype_name(dtype)}",
-                                      a, dtype, params))
+            params = {
+                "sweep": "n_points",
+                "n_points": n_points,
+                "config": f"{CONFIG} B={SWEEP_BATCH}",
+            }
+            cases.append(
+                forward_case(
+                    f"sweep-n{n_points}-forward-{harness.dtype_name(dtype)}", a, dtype, params
+                )
+            )
             if dtype == torch.float32:
                 cases.append(backward_case(f"sweep-n{n_points}-backward-float32", a, dtype, params))
     return cases
@@ -165,8 +202,14 @@ def target_verdicts(records: list[dict]) -> list[dict]:
     for r in records:
         if r["name"].startswith(f"{CONFIG}-forward") or r["name"].startswith(f"{CONFIG}-backward"):
             pct = r.get("pct_of_copy_bw")
-            out.append({"case": r["name"], "pct_of_copy_bw": pct, "target_pct": TARGET_PCT_OF_COPY,
-                        "met": None if pct is None else pct >= TARGET_PCT_OF_COPY})
+            out.append(
+                {
+                    "case": r["name"],
+                    "pct_of_copy_bw": pct,
+                    "target_pct": TARGET_PCT_OF_COPY,
+                    "met": None if pct is None else pct >= TARGET_PCT_OF_COPY,
+                }
+            )
     return out
 
 
@@ -183,15 +226,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_write:
         harness.print_table(records)
     else:
-        metadata = {**harness.environment_metadata(), "copy_bandwidth_bytes": nbytes,
-                    "timing": harness.timing_settings(args), "targets": verdicts,
-                    "argv": {k: str(v) for k, v in vars(args).items()}}
-        harness.write_results(harness.result_stem("bev_pool", args), records,
-                              args.out or harness.RESULTS_ROOT / harness.gpu_slug(), metadata, copy_bw)
+        metadata = {
+            **harness.environment_metadata(),
+            "copy_bandwidth_bytes": nbytes,
+            "timing": harness.timing_settings(args),
+            "targets": verdicts,
+            "argv": {k: str(v) for k, v in vars(args).items()},
+        }
+        harness.write_results(
+            harness.result_stem("bev_pool", args),
+            records,
+            args.out or harness.RESULTS_ROOT / harness.gpu_slug(),
+            metadata,
+            copy_bw,
+        )
     for v in verdicts:
         pct = "-" if v["pct_of_copy_bw"] is None else f"{v['pct_of_copy_bw']:.1f}%"
         state = {True: "MET", False: "MISSED", None: "NOT MEASURED"}[v["met"]]
-        print(f"target {v['case']}: {pct} of copy bandwidth (target >= {TARGET_PCT_OF_COPY:.0f}%): {state}")
+        print(
+            f"target {v['case']}: {pct} of copy bandwidth (target >= {TARGET_PCT_OF_COPY:.0f}%): {state}"
+        )
     return harness.exit_status(records)
 
 

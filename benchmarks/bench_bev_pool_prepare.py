@@ -35,10 +35,17 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import Case, common_argparser
-from mu_space.ops.bev_pool_prepare import (_STAGE_COUNT, _STAGE_ORDER, _WORKSPACE_CLEAN,
-                                           BEVPoolRanks, CellSort, _grid,
-                                           bev_pool_prepare, bev_pool_prepare_reference,
-                                           sort_by_cell, sort_by_cell_reference)
+from mu_space.ops.bev_pool_prepare import (
+    _STAGE_COUNT,
+    _STAGE_ORDER,
+    _WORKSPACE_CLEAN,
+    BEVPoolRanks,
+    _grid,
+    bev_pool_prepare,
+    bev_pool_prepare_reference,
+    sort_by_cell,
+    sort_by_cell_reference,
+)
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 from mu_space.testing import bev_geometry
@@ -49,8 +56,15 @@ QUICK_CONFIGS = ("bevdet-r50",)
 TARGET_US = 30.0  # issue 3: prepare <= 30 us per bevdet-* config (float32)
 DTYPES = (torch.float32, torch.float16)
 # sweep: (feature H, W, depth bins) of a 6-camera rig -> n = 6 * D * H * W points
-SWEEP = ((8, 22, 10), (8, 22, 30), (16, 44, 24), (16, 44, 71), (32, 88, 59), (32, 88, 178),
-         (64, 176, 74))
+SWEEP = (
+    (8, 22, 10),
+    (8, 22, 30),
+    (16, 44, 24),
+    (16, 44, 71),
+    (32, 88, 59),
+    (32, 88, 178),
+    (64, 176, 74),
+)
 QUICK_SWEEP = ((8, 22, 10), (32, 88, 59))
 
 _geometry: dict = {}
@@ -67,15 +81,17 @@ def geometry(cfg, dtype: torch.dtype) -> tuple[torch.Tensor, tuple]:
 
 
 def sweep_config(h: int, w: int, d: int) -> bev_geometry.BEVConfig:
-    return bev_geometry.BEVConfig(f"sweep-{h}x{w}-d{d}", feature_hw=(h, w),
-                                  depth=(1.0, 60.0, 59.0 / d))
+    return bev_geometry.BEVConfig(
+        f"sweep-{h}x{w}-d{d}", feature_hw=(h, w), depth=(1.0, 60.0, 59.0 / d)
+    )
 
 
 def _check_equal(out, ref) -> None:
     assert len(out) == len(ref)
     for name, o, r in zip(type(ref)._fields, out, ref):
-        assert o.dtype == r.dtype and o.shape == r.shape, f"{name}: {o.dtype}{list(o.shape)} " \
-                                                          f"vs {r.dtype}{list(r.shape)}"
+        assert o.dtype == r.dtype and o.shape == r.shape, (
+            f"{name}: {o.dtype}{list(o.shape)} vs {r.dtype}{list(r.shape)}"
+        )
         assert torch.equal(o, r), f"{name}: {int((o != r).sum())} entries differ"
 
 
@@ -86,16 +102,25 @@ def _output_bytes(ref) -> int:
 def prepare_case(name: str, coor: torch.Tensor, grid: tuple, params: dict) -> Case:
     ref = bev_pool_prepare_reference(coor, *grid)
     n = coor.numel() // 3
-    params = {**params, "n_points": n, "n_kept": ref.ranks_bev.numel(),
-              "n_intervals": ref.interval_starts.numel(),
-              "max_interval": int(ref.interval_lengths.max()) if ref.interval_lengths.numel() else 0}
+    params = {
+        **params,
+        "n_points": n,
+        "n_kept": ref.ranks_bev.numel(),
+        "n_intervals": ref.interval_starts.numel(),
+        "max_interval": int(ref.interval_lengths.max()) if ref.interval_lengths.numel() else 0,
+    }
     return Case(
-        name=name, op="bev_pool_prepare", direction="forward", dtype=coor.dtype, params=params,
+        name=name,
+        op="bev_pool_prepare",
+        direction="forward",
+        dtype=coor.dtype,
+        params=params,
         compulsory_bytes=coor.numel() * coor.element_size() + _output_bytes(ref),
         fn=lambda c: bev_pool_prepare(c, *grid, backend="native"),
         make_args=lambda: coor,
         reference=lambda c: bev_pool_prepare_reference(c, *grid),
-        check=_check_equal)
+        check=_check_equal,
+    )
 
 
 def bevdet_torch_prepare(coor: torch.Tensor, lower, interval, size):
@@ -111,8 +136,14 @@ def bevdet_torch_prepare(coor: torch.Tensor, lower, interval, size):
     batch = torch.arange(B, device=coor.device).reshape(B, 1).expand(B, n // B).reshape(n, 1)
     c = torch.cat((c, batch), 1)
     X, Y, Z = size
-    kept = (c[:, 0] >= 0) & (c[:, 0] < X) & (c[:, 1] >= 0) & (c[:, 1] < Y) & \
-           (c[:, 2] >= 0) & (c[:, 2] < Z)
+    kept = (
+        (c[:, 0] >= 0)
+        & (c[:, 0] < X)
+        & (c[:, 1] >= 0)
+        & (c[:, 1] < Y)
+        & (c[:, 2] >= 0)
+        & (c[:, 2] < Z)
+    )
     c, ranks_depth, ranks_feat = c[kept], ranks_depth[kept], ranks_feat[kept]
     ranks_bev = c[:, 3] * (Z * Y * X) + c[:, 2] * (Y * X) + c[:, 1] * X + c[:, 0]
     order = ranks_bev.argsort()
@@ -130,9 +161,15 @@ def bevdet_torch_case(name: str, coor: torch.Tensor, grid: tuple, params: dict) 
     lower, interval, size = _grid(*grid)
     ref = bev_pool_prepare_reference(coor, *grid)
     return Case(
-        name=name, op="bev_pool_prepare.bevdet_torch", direction="forward", dtype=coor.dtype,
-        params=params, compulsory_bytes=coor.numel() * coor.element_size() + _output_bytes(ref),
-        fn=lambda c: bevdet_torch_prepare(c, lower, interval, size), make_args=lambda: coor)
+        name=name,
+        op="bev_pool_prepare.bevdet_torch",
+        direction="forward",
+        dtype=coor.dtype,
+        params=params,
+        compulsory_bytes=coor.numel() * coor.element_size() + _output_bytes(ref),
+        fn=lambda c: bevdet_torch_prepare(c, lower, interval, size),
+        make_args=lambda: coor,
+    )
 
 
 def kernels_case(name: str, coor: torch.Tensor, grid: tuple, params: dict) -> Case:
@@ -142,8 +179,11 @@ def kernels_case(name: str, coor: torch.Tensor, grid: tuple, params: dict) -> Ca
     n_cells = coor.shape[0] * size[0] * size[1] * size[2]
     cap = min(n, n_cells)
     device = coor.device
-    ws = torch.empty(native.function("bev_pool_sort_workspace_ints")(n, n_cells),
-                     dtype=torch.int32, device=device)
+    ws = torch.empty(
+        native.function("bev_pool_sort_workspace_ints")(n, n_cells),
+        dtype=torch.int32,
+        device=device,
+    )
     outs = [torch.empty(n, dtype=torch.int32, device=device) for _ in range(3)]
     outs += [torch.empty(cap, dtype=torch.int32, device=device) for _ in range(2)]
     entry = native.function("bev_pool_prepare_forward")
@@ -151,37 +191,57 @@ def kernels_case(name: str, coor: torch.Tensor, grid: tuple, params: dict) -> Ca
     flags = [_STAGE_COUNT | _STAGE_ORDER]  # the first call zeroes the workspace; later: clean
 
     def run(c):
-        entry(c, ws, *outs, *lower, *interval, *size, flags[0] | _bpp._POLICY, 0, 0,
-              stream_handle(c))
+        entry(
+            c, ws, *outs, *lower, *interval, *size, flags[0] | _bpp._POLICY, 0, 0, stream_handle(c)
+        )
         flags[0] = _STAGE_COUNT | _STAGE_ORDER | _WORKSPACE_CLEAN
         return ws
 
     def check(ws_out, want):
         k, m = ws_out[:2].tolist()
-        _check_equal(BEVPoolRanks(outs[0][:k], outs[1][:k], outs[2][:k], outs[3][:m],
-                                  outs[4][:m]), want)
+        _check_equal(
+            BEVPoolRanks(outs[0][:k], outs[1][:k], outs[2][:k], outs[3][:m], outs[4][:m]), want
+        )
 
     return Case(
-        name=name, op="bev_pool_prepare.kernels", direction="forward", dtype=coor.dtype,
-        params=params, compulsory_bytes=coor.numel() * coor.element_size() + _output_bytes(ref),
-        fn=run, make_args=lambda: coor, reference=lambda c: bev_pool_prepare_reference(c, *grid),
-        check=check, time_reference=False)
+        name=name,
+        op="bev_pool_prepare.kernels",
+        direction="forward",
+        dtype=coor.dtype,
+        params=params,
+        compulsory_bytes=coor.numel() * coor.element_size() + _output_bytes(ref),
+        fn=run,
+        make_args=lambda: coor,
+        reference=lambda c: bev_pool_prepare_reference(c, *grid),
+        check=check,
+        time_reference=False,
+    )
 
 
 def sort_case(name: str, cells: torch.Tensor, n_cells: int, params: dict) -> Case:
     ref = sort_by_cell_reference(cells, n_cells)
     return Case(
-        name=name, op="sort_by_cell", direction="forward", dtype=cells.dtype,
-        params={**params, "n": cells.numel(), "n_cells": n_cells,
-                "n_intervals": ref.interval_starts.numel()},
+        name=name,
+        op="sort_by_cell",
+        direction="forward",
+        dtype=cells.dtype,
+        params={
+            **params,
+            "n": cells.numel(),
+            "n_cells": n_cells,
+            "n_intervals": ref.interval_starts.numel(),
+        },
         compulsory_bytes=cells.numel() * cells.element_size() + _output_bytes(ref),
-        fn=lambda c: sort_by_cell(c, n_cells, backend="native"), make_args=lambda: cells,
-        reference=lambda c: sort_by_cell_reference(c, n_cells), check=_check_equal)
+        fn=lambda c: sort_by_cell(c, n_cells, backend="native"),
+        make_args=lambda: cells,
+        reference=lambda c: sort_by_cell_reference(c, n_cells),
+        check=_check_equal,
+    )
 
 
 def build_cases(quick: bool, graph: bool) -> list[Case]:
     cases = []
-    for cfg in (QUICK_CONFIGS if quick else CONFIGS):
+    for cfg in QUICK_CONFIGS if quick else CONFIGS:
         coor, grid = geometry(cfg, torch.float32)
         params = {"config": cfg, "shape": list(coor.shape)}
         cases.append(kernels_case(f"{cfg}-kernels-float32", coor, grid, params))
@@ -189,7 +249,9 @@ def build_cases(quick: bool, graph: bool) -> list[Case]:
             continue
         for dtype in DTYPES:
             c, _ = geometry(cfg, dtype)
-            cases.append(prepare_case(f"{cfg}-prepare-{harness.dtype_name(dtype)}", c, grid, params))
+            cases.append(
+                prepare_case(f"{cfg}-prepare-{harness.dtype_name(dtype)}", c, grid, params)
+            )
         cases.append(bevdet_torch_case(f"{cfg}-bevdet-torch-float32", coor, grid, params))
         if cfg != "bevfusion-cam":
             feat = bev_pool_prepare_reference(coor, *grid).ranks_feat
@@ -197,12 +259,16 @@ def build_cases(quick: bool, graph: bool) -> list[Case]:
             cases.append(sort_case(f"{cfg}-sort-feat-int32", feat, B * N * H * W, params))
     if graph:
         return cases
-    for h, w, d in (QUICK_SWEEP if quick else SWEEP):
+    for h, w, d in QUICK_SWEEP if quick else SWEEP:
         cfg = sweep_config(h, w, d)
         coor, grid = geometry(cfg, torch.float32)
         n = coor.numel() // 3
-        params = {"sweep": "n_points", "n_points": n, "shape": list(coor.shape),
-                  "grid": list(grid[2])}
+        params = {
+            "sweep": "n_points",
+            "n_points": n,
+            "shape": list(coor.shape),
+            "grid": list(grid[2]),
+        }
         cases.append(prepare_case(f"sweep-n{n}-prepare-float32", coor, grid, params))
     return cases
 
@@ -213,8 +279,14 @@ def target_verdicts(records: list[dict]) -> list[dict]:
     for r in records:
         if r["name"].startswith("bevdet") and r["name"].endswith("-prepare-float32"):
             t = r.get("median_us")
-            out.append({"case": r["name"], "median_us": t, "target_us": TARGET_US,
-                        "met": None if t is None else t <= TARGET_US})
+            out.append(
+                {
+                    "case": r["name"],
+                    "median_us": t,
+                    "target_us": TARGET_US,
+                    "met": None if t is None else t <= TARGET_US,
+                }
+            )
     return out
 
 
@@ -231,12 +303,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_write:
         harness.print_table(records)
     else:
-        metadata = {**harness.environment_metadata(), "copy_bandwidth_bytes": nbytes,
-                    "timing": harness.timing_settings(args), "targets": verdicts,
-                    "argv": {k: str(v) for k, v in vars(args).items()}}
-        harness.write_results(harness.result_stem("bev_pool_prepare", args), records,
-                              args.out or harness.RESULTS_ROOT / harness.gpu_slug(), metadata,
-                              copy_bw)
+        metadata = {
+            **harness.environment_metadata(),
+            "copy_bandwidth_bytes": nbytes,
+            "timing": harness.timing_settings(args),
+            "targets": verdicts,
+            "argv": {k: str(v) for k, v in vars(args).items()},
+        }
+        harness.write_results(
+            harness.result_stem("bev_pool_prepare", args),
+            records,
+            args.out or harness.RESULTS_ROOT / harness.gpu_slug(),
+            metadata,
+            copy_bw,
+        )
     for v in verdicts:
         t = "-" if v["median_us"] is None else f"{v['median_us']:.1f} us"
         state = {True: "MET", False: "MISSED", None: "NOT MEASURED"}[v["met"]]

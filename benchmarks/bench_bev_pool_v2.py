@@ -40,11 +40,22 @@ from mu_space.testing import bev_geometry
 CONFIGS = ("bevdet-r50", "bevdet-r50-d88", "bevdet-d118")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Check tolerances (atol, rtol): float32 sums in another order; 16-bit: one output rounding.
-CHECK_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 2e-3),
-             torch.bfloat16: (1e-2, 1.6e-2)}
+CHECK_TOL = {
+    torch.float32: (1e-4, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
 # (cameras, depth step in metres, batch) of the sweep, on the bevdet-r50 rig.
-SWEEP = ((1, 3.0, 1), (2, 2.0, 1), (6, 2.0, 1), (6, 1.0, 1), (6, 0.5, 2), (6, 0.5, 4),
-         (6, 0.25, 4), (6, 0.25, 8))
+SWEEP = (
+    (1, 3.0, 1),
+    (2, 2.0, 1),
+    (6, 2.0, 1),
+    (6, 1.0, 1),
+    (6, 0.5, 2),
+    (6, 0.5, 4),
+    (6, 0.25, 4),
+    (6, 0.25, 8),
+)
 QUICK_SWEEP = ((1, 3.0, 1), (6, 1.0, 1))
 
 _cache: dict = {}
@@ -60,10 +71,14 @@ def inputs(cfg, dtype: torch.dtype) -> tuple:
     if key not in _cache:
         device = harness.default_device()
         g = bev_geometry.make(cfg, dtype=dtype)
-        r = bev_pool_prepare_reference(g["coor"].to(device), g["grid_lower_bound"],
-                                       g["grid_interval"], g["grid_size"])
-        _cache[key] = (g["depth"].to(device), g["feat"].to(device),
-                       *r.bev_pool_v2_args(g["bev_feat_shape"]))
+        r = bev_pool_prepare_reference(
+            g["coor"].to(device), g["grid_lower_bound"], g["grid_interval"], g["grid_size"]
+        )
+        _cache[key] = (
+            g["depth"].to(device),
+            g["feat"].to(device),
+            *r.bev_pool_v2_args(g["bev_feat_shape"]),
+        )
     return _cache[key]
 
 
@@ -94,13 +109,26 @@ def prepare_forward_case(cfg, dtype: torch.dtype) -> Case:
         ranks = bev_pool_prepare_reference(g["coor"], *grid)
         return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend="reference")
 
-    return Case(name=f"{cfg}-prepare-forward-{harness.dtype_name(dtype)}", op="bev_pool_v2",
-                direction="forward", dtype=dtype,
-                params={"config": cfg, "C": C, "bev_feat_shape": list(shape),
-                        "mode": "bev_pool_prepare + bev_pool_v2"},
-                compulsory_bytes=_nbytes(g["coor"]) + _nbytes(depth) + _nbytes(feat)
-                + B * Z * Y * X * C * feat.element_size(),
-                fn=native, make_args=lambda: (), reference=reference, check=_check(dtype))
+    return Case(
+        name=f"{cfg}-prepare-forward-{harness.dtype_name(dtype)}",
+        op="bev_pool_v2",
+        direction="forward",
+        dtype=dtype,
+        params={
+            "config": cfg,
+            "C": C,
+            "bev_feat_shape": list(shape),
+            "mode": "bev_pool_prepare + bev_pool_v2",
+        },
+        compulsory_bytes=_nbytes(g["coor"])
+        + _nbytes(depth)
+        + _nbytes(feat)
+        + B * Z * Y * X * C * feat.element_size(),
+        fn=native,
+        make_args=lambda: (),
+        reference=reference,
+        check=_check(dtype),
+    )
 
 
 def _nbytes(t) -> int:
@@ -111,8 +139,9 @@ def _check(dtype):
     return harness.close_check(*CHECK_TOL[dtype])
 
 
-def cases_for(name: str, args: tuple, dtype: torch.dtype, params: dict,
-              deterministic_backward: bool = True) -> list[Case]:
+def cases_for(
+    name: str, args: tuple, dtype: torch.dtype, params: dict, deterministic_backward: bool = True
+) -> list[Case]:
     from mu_space.ops.bev_pool_v2 import bev_pool_v2, bev_pool_v2_backward_reference
 
     m = _module()
@@ -120,8 +149,14 @@ def cases_for(name: str, args: tuple, dtype: torch.dtype, params: dict,
     B, Z, Y, X, C = shape
     es = feat.element_size()
     n = int(rb.shape[0])
-    params = {**params, "n_points": n, "n_intervals": int(starts.shape[0]), "C": C,
-              "bev_feat_shape": list(shape), "depth_shape": list(depth.shape)}
+    params = {
+        **params,
+        "n_points": n,
+        "n_intervals": int(starts.shape[0]),
+        "C": C,
+        "bev_feat_shape": list(shape),
+        "depth_shape": list(depth.shape),
+    }
     ranks_bytes = 3 * 4 * n
     out_bytes = B * Z * Y * X * C * es
     in_bytes = _nbytes(depth) + _nbytes(feat)
@@ -129,54 +164,92 @@ def cases_for(name: str, args: tuple, dtype: torch.dtype, params: dict,
     grad = torch.randn((B, C, Z, Y, X), device=feat.device).to(dtype)
 
     def backward(deterministic):
-        return lambda g: m._backward(g, depth, feat, rd, rf, rb, shape, starts, lengths, True,
-                                     True, deterministic, "native")
+        return lambda g: m._backward(
+            g, depth, feat, rd, rf, rb, shape, starts, lengths, True, True, deterministic, "native"
+        )
 
     cases = [
-        Case(name=f"{name}-forward-{dt}", op="bev_pool_v2", direction="forward", dtype=dtype,
-             params=params, compulsory_bytes=in_bytes + ranks_bytes + out_bytes,
-             fn=lambda: bev_pool_v2(*args, backend="native"), make_args=lambda: (),
-             reference=lambda: bev_pool_v2(*args, backend="reference"), check=_check(dtype)),
-        Case(name=f"{name}-backward-{dt}", op="bev_pool_v2", direction="backward", dtype=dtype,
-             params={**params, "mode": "default (float32 atomics for grad_feat)"},
-             compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
-             fn=backward(False), make_args=lambda: grad,
-             reference=lambda g: bev_pool_v2_backward_reference(g, *args), check=_check(dtype)),
+        Case(
+            name=f"{name}-forward-{dt}",
+            op="bev_pool_v2",
+            direction="forward",
+            dtype=dtype,
+            params=params,
+            compulsory_bytes=in_bytes + ranks_bytes + out_bytes,
+            fn=lambda: bev_pool_v2(*args, backend="native"),
+            make_args=lambda: (),
+            reference=lambda: bev_pool_v2(*args, backend="reference"),
+            check=_check(dtype),
+        ),
+        Case(
+            name=f"{name}-backward-{dt}",
+            op="bev_pool_v2",
+            direction="backward",
+            dtype=dtype,
+            params={**params, "mode": "default (float32 atomics for grad_feat)"},
+            compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
+            fn=backward(False),
+            make_args=lambda: grad,
+            reference=lambda g: bev_pool_v2_backward_reference(g, *args),
+            check=_check(dtype),
+        ),
     ]
     if deterministic_backward:
-        cases.append(Case(
-            name=f"{name}-backward-det-{dt}", op="bev_pool_v2", direction="backward", dtype=dtype,
-            params={**params, "mode": "deterministic (sort_by_cell + sorted kernel; 1 host sync)"},
-            compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
-            fn=backward(True), make_args=lambda: grad,
-            reference=lambda g: bev_pool_v2_backward_reference(g, *args), check=_check(dtype),
-            time_reference=False))
+        cases.append(
+            Case(
+                name=f"{name}-backward-det-{dt}",
+                op="bev_pool_v2",
+                direction="backward",
+                dtype=dtype,
+                params={
+                    **params,
+                    "mode": "deterministic (sort_by_cell + sorted kernel; 1 host sync)",
+                },
+                compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
+                fn=backward(True),
+                make_args=lambda: grad,
+                reference=lambda g: bev_pool_v2_backward_reference(g, *args),
+                check=_check(dtype),
+                time_reference=False,
+            )
+        )
     return cases
 
 
 def sweep_config(cameras: int, step: float, batch: int) -> bev_geometry.BEVConfig:
     base = bev_geometry.CONFIGS["bevdet-r50"]
-    return bev_geometry.BEVConfig(f"bevdet-r50-cam{cameras}-step{step:g}-b{batch}", batch=batch,
-                                  cameras=cameras, depth=(1.0, 60.0, step),
-                                  channels=base.channels)
+    return bev_geometry.BEVConfig(
+        f"bevdet-r50-cam{cameras}-step{step:g}-b{batch}",
+        batch=batch,
+        cameras=cameras,
+        depth=(1.0, 60.0, step),
+        channels=base.channels,
+    )
 
 
 def build_cases(quick: bool, graph: bool = False) -> list[Case]:
     cases = []
-    for cfg in (CONFIGS[:1] if quick else CONFIGS):
-        for dtype in ((torch.float32,) if quick else DTYPES):
+    for cfg in CONFIGS[:1] if quick else CONFIGS:
+        for dtype in (torch.float32,) if quick else DTYPES:
             # the deterministic backward synchronises with the host: not graph-capturable
-            cases += cases_for(cfg, inputs(cfg, dtype), dtype, {"config": cfg},
-                               deterministic_backward=not graph)
+            cases += cases_for(
+                cfg, inputs(cfg, dtype), dtype, {"config": cfg}, deterministic_backward=not graph
+            )
             if dtype != torch.bfloat16 and not graph:  # prepare reads one count back: no graph
                 cases.append(prepare_forward_case(cfg, dtype))
-    for cameras, step, batch in (QUICK_SWEEP if quick else SWEEP):
+    for cameras, step, batch in QUICK_SWEEP if quick else SWEEP:
         cfg = sweep_config(cameras, step, batch)
         args = inputs(cfg, torch.float32)
-        params = {"sweep": "n_points", "config": cfg.name, "cameras": cameras,
-                  "depth_step": step, "batch": batch}
-        cases += cases_for(f"sweep-{cfg.name}", args, torch.float32, params,
-                           deterministic_backward=False)
+        params = {
+            "sweep": "n_points",
+            "config": cfg.name,
+            "cameras": cameras,
+            "depth_step": step,
+            "batch": batch,
+        }
+        cases += cases_for(
+            f"sweep-{cfg.name}", args, torch.float32, params, deterministic_backward=False
+        )
     return cases
 
 

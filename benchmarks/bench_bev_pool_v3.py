@@ -53,8 +53,11 @@ def v1_inputs(dtype: torch.dtype) -> dict:
         a = bevfusion_inputs("bevfusion-cam", dtype=dtype, device=harness.default_device())
         g = torch.Generator().manual_seed(1)
         perm = torch.randperm(a["feats"].shape[0], generator=g).to(a["feats"].device)
-        _inputs[key] = {"feat": a["feats"][perm].contiguous(), "ranks_bev": a["coords"][perm].int(),
-                        "bev_feat_shape": (a["B"], a["D"], a["H"], a["W"], a["feats"].shape[1])}
+        _inputs[key] = {
+            "feat": a["feats"][perm].contiguous(),
+            "ranks_bev": a["coords"][perm].int(),
+            "bev_feat_shape": (a["B"], a["D"], a["H"], a["W"], a["feats"].shape[1]),
+        }
     return _inputs[key]
 
 
@@ -69,7 +72,12 @@ def _out_elems(shape) -> int:
 
 def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Case]:
     depth, feat = a.get("depth"), a["feat"]
-    rd, rf, rb, shape = a.get("ranks_depth"), a.get("ranks_feat"), a["ranks_bev"], a["bev_feat_shape"]
+    rd, rf, rb, shape = (
+        a.get("ranks_depth"),
+        a.get("ranks_feat"),
+        a["ranks_bev"],
+        a["bev_feat_shape"],
+    )
     es = feat.element_size()
     ranks_bytes = _nbytes(rd) + _nbytes(rf) + _nbytes(rb)
     out_bytes = _out_elems(shape) * es
@@ -79,12 +87,17 @@ def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Cas
         return None if t is None else t.clone()
 
     forward = Case(
-        name=f"{name}-forward-{harness.dtype_name(dtype)}", op="bev_pool_v3", direction="forward",
-        dtype=dtype, params=params, compulsory_bytes=inputs_bytes + ranks_bytes + out_bytes,
+        name=f"{name}-forward-{harness.dtype_name(dtype)}",
+        op="bev_pool_v3",
+        direction="forward",
+        dtype=dtype,
+        params=params,
+        compulsory_bytes=inputs_bytes + ranks_bytes + out_bytes,
         fn=lambda d, f: bev_pool_v3(d, f, rd, rf, rb, shape, backend="native"),
         make_args=lambda: (clone(depth), feat.clone()),
         reference=lambda d, f: bev_pool_v3(d, f, rd, rf, rb, shape, backend="reference"),
-        check=_check(dtype))
+        check=_check(dtype),
+    )
 
     grad = {}
 
@@ -101,7 +114,13 @@ def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Cas
         ref = bev_pool_v3(rd_, rf_, rd, rf, rb, shape, backend="reference")
         if "g" not in grad:
             grad["g"] = torch.randn_like(out)
-        return out, [t for t in (d, f) if t is not None], ref, [t for t in (rd_, rf_) if t is not None], grad["g"]
+        return (
+            out,
+            [t for t in (d, f) if t is not None],
+            ref,
+            [t for t in (rd_, rf_) if t is not None],
+            grad["g"],
+        )
 
     def native_backward(out, xs, ref, ref_xs, g):
         return torch.autograd.grad(out, xs, g, retain_graph=True)
@@ -112,28 +131,46 @@ def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Cas
 
     # depth mode reads depth, feat and the ranks and writes both grads; v1 mode reads one int32
     # cell per point (what its backward keeps) and writes grad_feat
-    backward_bytes = out_bytes + (2 * inputs_bytes + ranks_bytes if depth is not None
-                                  else inputs_bytes + rb.shape[0] * 4)
+    backward_bytes = out_bytes + (
+        2 * inputs_bytes + ranks_bytes if depth is not None else inputs_bytes + rb.shape[0] * 4
+    )
     backward = Case(
-        name=f"{name}-backward-{harness.dtype_name(dtype)}", op="bev_pool_v3", direction="backward",
-        dtype=dtype, params=params, compulsory_bytes=backward_bytes,
-        fn=native_backward, make_args=make_args, reference=reference_backward, check=_check(dtype))
+        name=f"{name}-backward-{harness.dtype_name(dtype)}",
+        op="bev_pool_v3",
+        direction="backward",
+        dtype=dtype,
+        params=params,
+        compulsory_bytes=backward_bytes,
+        fn=native_backward,
+        make_args=make_args,
+        reference=reference_backward,
+        check=_check(dtype),
+    )
     return [forward, backward]
 
 
 def build_cases(quick: bool) -> list[Case]:
     cases = []
-    for cfg in (CONFIGS[:1] if quick else CONFIGS):
-        for dtype in ((torch.float32,) if quick else DTYPES):
+    for cfg in CONFIGS[:1] if quick else CONFIGS:
+        for dtype in (torch.float32,) if quick else DTYPES:
             a = v2_inputs(cfg, dtype)
             B, Z, Y, X, C = a["bev_feat_shape"]
-            params = {"config": cfg, "n_points": int(a["ranks_bev"].shape[0]), "C": C,
-                      "depth_shape": list(a["depth"].shape), "ranks": "shuffled"}
+            params = {
+                "config": cfg,
+                "n_points": int(a["ranks_bev"].shape[0]),
+                "C": C,
+                "depth_shape": list(a["depth"].shape),
+                "ranks": "shuffled",
+            }
             cases += _cases_for(f"{cfg}-shuffled", a, dtype, params)
-    for dtype in ((torch.float32,) if quick else DTYPES):
+    for dtype in (torch.float32,) if quick else DTYPES:
         a = v1_inputs(dtype)
-        params = {"config": "bevfusion-cam", "mode": "v1 (2-D ranks_bev)",
-                  "n_points": int(a["ranks_bev"].shape[0]), "C": a["bev_feat_shape"][4]}
+        params = {
+            "config": "bevfusion-cam",
+            "mode": "v1 (2-D ranks_bev)",
+            "n_points": int(a["ranks_bev"].shape[0]),
+            "C": a["bev_feat_shape"][4],
+        }
         cases += _cases_for("bevfusion-cam-v1", a, dtype, params)
     return cases
 

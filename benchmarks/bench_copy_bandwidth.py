@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from benchmarks.harness import MiB, Case, common_argparser, default_device, run_benchmark
+from benchmarks.harness import Case, MiB, common_argparser, default_device, run_benchmark
 
 SIZES_MIB = (64, 128, 256, 512, 1024, 2048, 4096)
 QUICK_SIZES_MIB = (64, 256)
@@ -39,9 +39,16 @@ def copy_case(mib: int, device: torch.device) -> Case:
         return src, torch.empty_like(src)
 
     return Case(
-        name=f"copy-{mib}MiB", op="copy", direction="forward", dtype=torch.uint8,
-        params={"sweep": "nbytes", "nbytes": nbytes}, compulsory_bytes=2 * nbytes,
-        fn=_copy, make_args=make_args, reference=_clone, check=_check_equal,
+        name=f"copy-{mib}MiB",
+        op="copy",
+        direction="forward",
+        dtype=torch.uint8,
+        params={"sweep": "nbytes", "nbytes": nbytes},
+        compulsory_bytes=2 * nbytes,
+        fn=_copy,
+        make_args=make_args,
+        reference=_clone,
+        check=_check_equal,
         time_reference=False,
     )
 

@@ -51,7 +51,11 @@ CPU_SMOKE_QUERIES = 500  # without a GPU the script still runs end to end, on sm
 # Check tolerances: (atol as a fraction of max|reference|, rtol); the native kernel rounds the
 # pixel coordinate once in float32 and accumulates in float32, in another order (atomics in
 # the default backward); float16 / bfloat16 outputs add one rounding of the output dtype.
-CHECK_TOL = {torch.float32: (5e-5, 1e-4), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+CHECK_TOL = {
+    torch.float32: (5e-5, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
 
 _inputs: dict = {}
 
@@ -86,6 +90,7 @@ def _close(dtype):
         for o, r in zip(outs, refs):
             scale = r.detach().abs().max().item() if r.numel() else 0.0
             torch.testing.assert_close(o.double(), r.double(), atol=frac * scale + 1e-30, rtol=rtol)
+
     return check
 
 
@@ -94,8 +99,9 @@ def _forward(value, shapes, starts, loc, attn):
 
 
 def _backward(grad, value, shapes, starts, loc, attn):
-    return torch.ops.mu_space.multi_scale_deformable_attn_backward(grad, value, shapes, starts, loc,
-                                                                   attn, _backend())
+    return torch.ops.mu_space.multi_scale_deformable_attn_backward(
+        grad, value, shapes, starts, loc, attn, _backend()
+    )
 
 
 @contextlib.contextmanager
@@ -114,41 +120,65 @@ def _backward_det(grad, value, shapes, starts, loc, attn):
 
 
 def _params(cfg: msda_inputs.MSDAConfig, **extra) -> dict:
-    return {"batch": cfg.batch, "queries": cfg.queries, "heads": cfg.heads, "head_dim": cfg.head_dim,
-            "levels": [list(hw) for hw in cfg.levels], "points": cfg.points, **extra}
+    return {
+        "batch": cfg.batch,
+        "queries": cfg.queries,
+        "heads": cfg.heads,
+        "head_dim": cfg.head_dim,
+        "levels": [list(hw) for hw in cfg.levels],
+        "points": cfg.points,
+        **extra,
+    }
 
 
 def tensor_bytes(cfg: msda_inputs.MSDAConfig, dtype: torch.dtype) -> dict:
     """Bytes of each tensor of one call (no tensors are built)."""
     es = torch.empty((), dtype=dtype).element_size()
     samples = cfg.batch * cfg.queries * cfg.heads * len(cfg.levels) * cfg.points
-    return {"value": cfg.batch * cfg.num_keys * cfg.heads * cfg.head_dim * es,
-            "locations": 2 * samples * es, "weights": samples * es,
-            "metadata": 3 * len(cfg.levels) * 8,  # int64 shapes [L, 2] + start index [L]
-            "output": cfg.batch * cfg.queries * cfg.heads * cfg.head_dim * es}
+    return {
+        "value": cfg.batch * cfg.num_keys * cfg.heads * cfg.head_dim * es,
+        "locations": 2 * samples * es,
+        "weights": samples * es,
+        "metadata": 3 * len(cfg.levels) * 8,  # int64 shapes [L, 2] + start index [L]
+        "output": cfg.batch * cfg.queries * cfg.heads * cfg.head_dim * es,
+    }
 
 
 def forward_case(cfg, dtype, name=None, **extra) -> Case:
     b = tensor_bytes(cfg, dtype)
     return Case(
-        name=name or cfg.name, op="multi_scale_deformable_attn", direction="forward", dtype=dtype,
+        name=name or cfg.name,
+        op="multi_scale_deformable_attn",
+        direction="forward",
+        dtype=dtype,
         params=_params(cfg, **extra),
         compulsory_bytes=b["value"] + b["locations"] + b["weights"] + b["metadata"] + b["output"],
-        fn=_forward, make_args=lambda: inputs(cfg, dtype)[1:],
-        reference=multi_scale_deformable_attn_reference, check=_close(dtype))
+        fn=_forward,
+        make_args=lambda: inputs(cfg, dtype)[1:],
+        reference=multi_scale_deformable_attn_reference,
+        check=_close(dtype),
+    )
 
 
 def backward_case(cfg, dtype, name=None, det=False, **extra) -> Case:
     b = tensor_bytes(cfg, dtype)
-    read = b["output"] + b["value"] + b["locations"] + b["weights"] + b["metadata"]  # grad_output first
+    read = (
+        b["output"] + b["value"] + b["locations"] + b["weights"] + b["metadata"]
+    )  # grad_output first
     written = b["value"] + b["locations"] + b["weights"]
     return Case(
-        name=(name or cfg.name) + ("-det" if det else ""), op="multi_scale_deformable_attn",
-        direction="backward", dtype=dtype, params=_params(cfg, deterministic=det, **extra),
-        compulsory_bytes=read + written, fn=_backward_det if det else _backward,
+        name=(name or cfg.name) + ("-det" if det else ""),
+        op="multi_scale_deformable_attn",
+        direction="backward",
+        dtype=dtype,
+        params=_params(cfg, deterministic=det, **extra),
+        compulsory_bytes=read + written,
+        fn=_backward_det if det else _backward,
         make_args=lambda: inputs(cfg, dtype),
-        reference=multi_scale_deformable_attn_reference_backward, check=_close(dtype),
-        time_reference=not det)  # the same reference as the atomic case: timed once
+        reference=multi_scale_deformable_attn_reference_backward,
+        check=_close(dtype),
+        time_reference=not det,
+    )  # the same reference as the atomic case: timed once
 
 
 def _config(name: str) -> msda_inputs.MSDAConfig:
@@ -178,8 +208,10 @@ def build_cases(quick: bool) -> list[Case]:
             # checked against the reference, not timed against it: the sweep shows how cost
             # grows; the speedups are in the model cases (the 200k reference backward alone
             # takes ~0.5 s per call)
-            for case in (forward_case(cfg, dtype, label, sweep="queries"),
-                         backward_case(cfg, dtype, label, sweep="queries")):
+            for case in (
+                forward_case(cfg, dtype, label, sweep="queries"),
+                backward_case(cfg, dtype, label, sweep="queries"),
+            ):
                 case.time_reference = False
                 cases.append(case)
     return cases

@@ -47,9 +47,13 @@ def variants(x: torch.Tensor) -> dict:
     return {
         "torch.add(x, 1)": lambda: torch.add(x, 1),
         "tvm-ffi call, preallocated out": lambda: ffi(x, out, stream),
-        "tvm-ffi call + empty_like + stream lookup": lambda: ffi(x, torch.empty_like(x), stream_handle(x)),
+        "tvm-ffi call + empty_like + stream lookup": lambda: ffi(
+            x, torch.empty_like(x), stream_handle(x)
+        ),
         "mu_space.ops.add_one (public eager path)": lambda: mu_space.ops.add_one(x),
-        "torch.ops.mu_space.add_one (custom op dispatch)": lambda: torch.ops.mu_space.add_one(x, "auto"),
+        "torch.ops.mu_space.add_one (custom op dispatch)": lambda: torch.ops.mu_space.add_one(
+            x, "auto"
+        ),
         "torch.compile(add_one)": lambda: compiled(x),
     }
 
@@ -65,15 +69,19 @@ def main(argv=None) -> int:
         args.calls, args.trials = 2000, 3
     device = harness.default_device()
     if device.type != "cuda" or native.unavailable_reason(device):
-        print(f"bench_overhead needs the native library on a GPU: "
-              f"{native.unavailable_reason(device) if device.type == 'cuda' else 'no GPU'}")
+        print(
+            f"bench_overhead needs the native library on a GPU: "
+            f"{native.unavailable_reason(device) if device.type == 'cuda' else 'no GPU'}"
+        )
         return 1
     x = torch.randn(1024, device=device)
     sync = torch.cuda.synchronize
     rows = []
     for name, fn in variants(x).items():
         kernel_dispatch.reset()
-        rows.append({"variant": name, "us_per_call": per_call_us(fn, args.calls, args.trials, sync)})
+        rows.append(
+            {"variant": name, "us_per_call": per_call_us(fn, args.calls, args.trials, sync)}
+        )
     base = rows[0]["us_per_call"]
     for r in rows:
         r["ratio_to_torch_add"] = r["us_per_call"] / base
@@ -83,9 +91,19 @@ def main(argv=None) -> int:
     out = Path(args.out or harness.RESULTS_ROOT / harness.gpu_slug())
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("overhead.quick.json" if args.quick else "overhead.json")
-    path.write_text(json.dumps({"benchmark": "overhead", "metadata": harness.environment_metadata(),
-                                "calls": args.calls, "trials": args.trials, "results": rows},
-                               indent=2) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "benchmark": "overhead",
+                "metadata": harness.environment_metadata(),
+                "calls": args.calls,
+                "trials": args.trials,
+                "results": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {path}")
     return 0
 

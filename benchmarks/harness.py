@@ -172,8 +172,10 @@ def time_gpu(
         call = lambda i: fn(*arg_sets[i % len(arg_sets)])  # noqa: E731
     for i in range(warmup):
         call(i)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
     for i, (start, end) in enumerate(events):
         if flush:
             flush_l2(device)
@@ -217,8 +219,9 @@ def pct_of_copy(gbps: float, copy_bw_gbps: float | None) -> float | None:
     return 100.0 * gbps / copy_bw_gbps if copy_bw_gbps else None
 
 
-def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2 * GiB,
-                           reps: int = 20) -> float:
+def measure_copy_bandwidth(
+    device: torch.device | str = "cuda", nbytes: int = 2 * GiB, reps: int = 20
+) -> float:
     """GB/s of dst.copy_(src) on one device, counting bytes read plus bytes written."""
     device = torch.device(device)
 
@@ -311,14 +314,27 @@ def _time(fn: Callable, make_args: Callable, settings: dict) -> Timing:
 
 def _empty_record(case: Case) -> dict:
     return {
-        "name": case.name, "op": case.op, "direction": case.direction,
-        "dtype": dtype_name(case.dtype), "params": case.params,
+        "name": case.name,
+        "op": case.op,
+        "direction": case.direction,
+        "dtype": dtype_name(case.dtype),
+        "params": case.params,
         "compulsory_bytes": int(case.compulsory_bytes),
-        "status": "failed", "checked": False, "error": None,
-        "mode": None, "reps": None, "n_arg_sets": None,
-        "median_us": None, "p10_us": None, "p90_us": None, "mean_us": None,
-        "gbps": None, "pct_of_copy_bw": None,
-        "reference_median_us": None, "speedup_vs_reference": None, "reference_error": None,
+        "status": "failed",
+        "checked": False,
+        "error": None,
+        "mode": None,
+        "reps": None,
+        "n_arg_sets": None,
+        "median_us": None,
+        "p10_us": None,
+        "p90_us": None,
+        "mean_us": None,
+        "gbps": None,
+        "pct_of_copy_bw": None,
+        "reference_median_us": None,
+        "speedup_vs_reference": None,
+        "reference_error": None,
     }
 
 
@@ -371,8 +387,9 @@ def select_cases(cases: list[Case], pattern: str | None) -> list[Case]:
     return [c for c in cases if pattern is None or re.search(pattern, c.name)]
 
 
-def run_cases(cases: list[Case], *, args: argparse.Namespace,
-              copy_bw: float | None = None) -> list[dict]:
+def run_cases(
+    cases: list[Case], *, args: argparse.Namespace, copy_bw: float | None = None
+) -> list[dict]:
     """Check and time the cases selected by args.cases; copy_bw is measured if not given."""
     if copy_bw is None:
         copy_bw = measure_copy_bandwidth(default_device(), copy_nbytes(args))
@@ -436,8 +453,13 @@ def _module_version(name: str) -> str | None:
 
 def _gpu_metadata() -> dict:
     if not torch.cuda.is_available():
-        return {"gpu_name": None, "sm_count": None, "l2_bytes": None, "gpu_memory_bytes": None,
-                "driver_version": None}
+        return {
+            "gpu_name": None,
+            "sm_count": None,
+            "l2_bytes": None,
+            "gpu_memory_bytes": None,
+            "driver_version": None,
+        }
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     driver = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     return {
@@ -469,13 +491,18 @@ def common_argparser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--reps", type=int, default=100, help="timed repetitions (default 100)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed warm-up calls")
-    parser.add_argument("--no-flush", action="store_true",
-                        help="do not flush L2 before each rep (labelled warm-l2)")
+    parser.add_argument(
+        "--no-flush", action="store_true", help="do not flush L2 before each rep (labelled warm-l2)"
+    )
     parser.add_argument("--graph", action="store_true", help="time CUDA graph replays")
     parser.add_argument("--quick", action="store_true", help="few cases and reps (smoke run)")
     parser.add_argument("--cases", metavar="REGEX", help="only cases whose name matches")
-    parser.add_argument("--out", metavar="DIR", type=Path,
-                        help="results directory (default benchmarks/results/<gpu>/)")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        type=Path,
+        help="results directory (default benchmarks/results/<gpu>/)",
+    )
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     return parser
 
@@ -499,13 +526,28 @@ def format_table(records: list[dict]) -> str:
         note = "" if r.get("checked") else "unchecked"
         if r.get("status") != "ok":
             note = "FAILED: " + " ".join(str(r.get("error")).split())[:200]
-        rows.append((r["name"], r["direction"], r["dtype"], _fmt(r.get("median_us"), ".1f"),
-                     _fmt(r.get("gbps"), ".1f"), _fmt(r.get("pct_of_copy_bw"), ".1f"),
-                     _fmt(r.get("speedup_vs_reference"), ".2f"), note))
+        rows.append(
+            (
+                r["name"],
+                r["direction"],
+                r["dtype"],
+                _fmt(r.get("median_us"), ".1f"),
+                _fmt(r.get("gbps"), ".1f"),
+                _fmt(r.get("pct_of_copy_bw"), ".1f"),
+                _fmt(r.get("speedup_vs_reference"), ".2f"),
+                note,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
-    lines = ["  ".join(cell.ljust(w) if i < 3 else cell.rjust(w)
-                       for i, (cell, w) in enumerate(zip(row, widths))) + "  " + row[-1]
-             for row in rows]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i < 3 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        )
+        + "  "
+        + row[-1]
+        for row in rows
+    ]
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -513,14 +555,19 @@ def print_table(records: list[dict]) -> None:
     print(format_table(records))
 
 
-def write_results(bench_name: str, records: list[dict], out_dir: Path | str, metadata: dict,
-                  copy_bw: float | None) -> Path:
+def write_results(
+    bench_name: str, records: list[dict], out_dir: Path | str, metadata: dict, copy_bw: float | None
+) -> Path:
     """Write <out_dir>/<bench_name>.json and print the table; returns the file path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{bench_name}.json"
-    doc = {"benchmark": bench_name, "metadata": metadata, "copy_bandwidth_gbps": copy_bw,
-           "results": records}
+    doc = {
+        "benchmark": bench_name,
+        "metadata": metadata,
+        "copy_bandwidth_gbps": copy_bw,
+        "results": records,
+    }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print_table(records)
     print(f"copy bandwidth {_fmt(copy_bw, '.1f')} GB/s; wrote {path}")
@@ -535,12 +582,19 @@ def run_benchmark(bench_name: str, cases: list[Case], args: argparse.Namespace) 
     if args.no_write:
         print_table(records)
     else:
-        metadata = {**environment_metadata(), "copy_bandwidth_bytes": nbytes,
-                    "timing": timing_settings(args),
-                    "argv": {k: str(v) if isinstance(v, Path) else v
-                             for k, v in vars(args).items()}}
-        write_results(result_stem(bench_name, args), records,
-                      args.out or RESULTS_ROOT / gpu_slug(), metadata, copy_bw)
+        metadata = {
+            **environment_metadata(),
+            "copy_bandwidth_bytes": nbytes,
+            "timing": timing_settings(args),
+            "argv": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        }
+        write_results(
+            result_stem(bench_name, args),
+            records,
+            args.out or RESULTS_ROOT / gpu_slug(),
+            metadata,
+            copy_bw,
+        )
     failed = [r["name"] for r in records if r["status"] != "ok"]
     if failed:
         print(f"{len(failed)} case(s) failed: {', '.join(failed)}", file=sys.stderr)

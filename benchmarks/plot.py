@@ -51,8 +51,9 @@ def _bar_chart(ax, records: list[dict]) -> None:
     names = _unique(r["name"] for r in records)
     width = 0.8 / len(groups)
     for g, group in enumerate(groups):
-        rows = [(names.index(r["name"]), r) for r in records
-                if (r["direction"], r["dtype"]) == group]
+        rows = [
+            (names.index(r["name"]), r) for r in records if (r["direction"], r["dtype"]) == group
+        ]
         xs = [i - 0.4 + width * (g + 0.5) for i, _ in rows]
         bars = ax.bar(xs, [r["median_us"] for _, r in rows], width, label=" ".join(group))
         ax.bar_label(bars, labels=[_pct_label(r) for _, r in rows], fontsize=7)
@@ -69,16 +70,26 @@ def _bar_chart(ax, records: list[dict]) -> None:
 def _sweep_chart(ax, key: str, records: list[dict]) -> None:
     series = _unique((r["direction"], r["dtype"]) for r in records)
     for s, (direction, dtype) in enumerate(series):
-        rows = sorted((r for r in records if (r["direction"], r["dtype"]) == (direction, dtype)),
-                      key=lambda r: r["params"][key])
+        rows = sorted(
+            (r for r in records if (r["direction"], r["dtype"]) == (direction, dtype)),
+            key=lambda r: r["params"][key],
+        )
         xs = [r["params"][key] for r in rows]
         label = f"{direction} {dtype}"
-        line, = ax.loglog(xs, [r["median_us"] for r in rows], marker="o", label=label)
+        (line,) = ax.loglog(xs, [r["median_us"] for r in rows], marker="o", label=label)
         for x, r in zip(xs, rows):  # labels of different series stacked, not overlapping
-            ax.annotate(_pct_label(r), (x, r["median_us"]), fontsize=7, color=line.get_color(),
-                        textcoords="offset points", xytext=(0, 6 + 9 * s), ha="center")
-        refs = [(x, r["reference_median_us"]) for x, r in zip(xs, rows)
-                if r.get("reference_median_us")]
+            ax.annotate(
+                _pct_label(r),
+                (x, r["median_us"]),
+                fontsize=7,
+                color=line.get_color(),
+                textcoords="offset points",
+                xytext=(0, 6 + 9 * s),
+                ha="center",
+            )
+        refs = [
+            (x, r["reference_median_us"]) for x, r in zip(xs, rows) if r.get("reference_median_us")
+        ]
         if refs:
             ax.loglog(*zip(*refs), "--", color=line.get_color(), label=f"{label} reference")
     ax.set_xlabel(key)
@@ -92,8 +103,10 @@ def _title(doc: dict, records: list[dict]) -> str:
     modes = ", ".join(_unique(str(r.get("mode")) for r in records))
     bw = doc.get("copy_bandwidth_gbps")
     bw_text = f"copy bw {bw:.0f} GB/s" if bw else "copy bw n/a"
-    return (f"{doc.get('benchmark', '?')} on {meta.get('gpu_name') or 'unknown device'} "
-            f"[{modes}; {bw_text}; {meta.get('git_commit') or 'no commit'}]")
+    return (
+        f"{doc.get('benchmark', '?')} on {meta.get('gpu_name') or 'unknown device'} "
+        f"[{modes}; {bw_text}; {meta.get('git_commit') or 'no commit'}]"
+    )
 
 
 def plot_results(json_path: Path | str) -> Path | None:
@@ -104,8 +117,10 @@ def plot_results(json_path: Path | str) -> Path | None:
     if not timed:
         return None
     plain = [r for r in timed if sweep_key(r) is None]
-    sweeps = {key: [r for r in timed if sweep_key(r) == key]
-              for key in _unique(sweep_key(r) for r in timed if sweep_key(r))}
+    sweeps = {
+        key: [r for r in timed if sweep_key(r) == key]
+        for key in _unique(sweep_key(r) for r in timed if sweep_key(r))
+    }
     plt = _pyplot()
     n_panels = bool(plain) + len(sweeps)
     fig, axes = plt.subplots(n_panels, 1, figsize=(10, 4.5 * n_panels), squeeze=False)

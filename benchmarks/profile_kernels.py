@@ -31,22 +31,33 @@ def workloads():
 
     v2_mod = sys.modules["mu_space.ops.bev_pool_v2"]  # the package re-exports the function
     dev = torch.device("cuda")
-    for cfg, dtype in (("bevdet-r50", torch.float32), ("bevdet-r50", torch.float16),
-                       ("bevdet-r50-d88", torch.float32)):
+    for cfg, dtype in (
+        ("bevdet-r50", torch.float32),
+        ("bevdet-r50", torch.float16),
+        ("bevdet-r50-d88", torch.float32),
+    ):
         args = bench_bev_pool_v2.inputs(cfg, dtype)
         yield f"bev_pool_v2-fwd-{cfg}-{dtype}", lambda a=args: bev_pool_v2(*a, backend="native")
     args = bench_bev_pool_v2.inputs("bevdet-r50", torch.float32)
     B, Z, Y, X, C = args[5]
     grad = torch.randn((B, C, Z, Y, X), device=dev)
-    yield "bev_pool_v2-bwd-bevdet-r50-float32", lambda: v2_mod._backward(
-        grad, *args, True, True, False, "native")
+    yield (
+        "bev_pool_v2-bwd-bevdet-r50-float32",
+        lambda: v2_mod._backward(grad, *args, True, True, False, "native"),
+    )
     g = bev_geometry.make("bevdet-r50")
     coor = g["coor"].to(dev)
-    yield "bev_pool_prepare-bevdet-r50", lambda: bev_pool_prepare(
-        coor, g["grid_lower_bound"], g["grid_interval"], g["grid_size"], backend="native")
+    yield (
+        "bev_pool_prepare-bevdet-r50",
+        lambda: bev_pool_prepare(
+            coor, g["grid_lower_bound"], g["grid_interval"], g["grid_size"], backend="native"
+        ),
+    )
     f = bev_pool_inputs.bevfusion_inputs("bevfusion-cam", device=dev)
-    yield "bev_pool-bevfusion-cam-float32", lambda: bev_pool(
-        f["feats"], f["coords"], f["B"], f["D"], f["H"], f["W"], backend="native")
+    yield (
+        "bev_pool-bevfusion-cam-float32",
+        lambda: bev_pool(f["feats"], f["coords"], f["B"], f["D"], f["H"], f["W"], backend="native"),
+    )
     for cfg in ("deformable-detr", "bevformer-base-tsa"):
         m = msda_inputs.args(msda_inputs.make(cfg, device=dev))
         out = multi_scale_deformable_attn(*m)

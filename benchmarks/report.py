@@ -1,6 +1,6 @@
 """Markdown tables from benchmark results, for docs to quote:
 
-    python -m benchmarks.report benchmarks/results/h200/bev_pool_v2.json [--cases REGEX]
+python -m benchmarks.report benchmarks/results/h200/bev_pool_v2.json [--cases REGEX]
 """
 
 from __future__ import annotations
@@ -18,15 +18,19 @@ def _fmt(value, spec: str) -> str:
 def overhead_table(doc: dict) -> str:
     """bench_overhead's results: microseconds per call of each calling variant."""
     meta = doc["metadata"]
-    lines = [f"{meta.get('gpu_name')}, torch {meta.get('torch_version')}, commit "
-             f"{meta.get('git_commit')}, {meta.get('date_utc')}; {doc.get('calls')} calls x "
-             f"{doc.get('trials')} trials (median).",
-             "",
-             "| variant | us per call | ratio to torch.add |",
-             "| --- | ---: | ---: |"]
+    lines = [
+        f"{meta.get('gpu_name')}, torch {meta.get('torch_version')}, commit "
+        f"{meta.get('git_commit')}, {meta.get('date_utc')}; {doc.get('calls')} calls x "
+        f"{doc.get('trials')} trials (median).",
+        "",
+        "| variant | us per call | ratio to torch.add |",
+        "| --- | ---: | ---: |",
+    ]
     for r in doc["results"]:
-        lines.append(f"| {r['variant']} | {_fmt(r.get('us_per_call'), '.2f')} | "
-                     f"{_fmt(r.get('ratio_to_torch_add'), '.2f')} |")
+        lines.append(
+            f"| {r['variant']} | {_fmt(r.get('us_per_call'), '.2f')} | "
+            f"{_fmt(r.get('ratio_to_torch_add'), '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -34,21 +38,25 @@ def markdown_table(doc: dict, pattern: str | None = None) -> str:
     if doc.get("benchmark") == "overhead":
         return overhead_table(doc)
     meta = doc["metadata"]
-    lines = [f"{meta.get('gpu_name')}, torch {meta.get('torch_version')}, CUDA "
-             f"{meta.get('cuda_version')}, commit {meta.get('git_commit')}, {meta.get('date_utc')}; "
-             f"copy bandwidth {_fmt(doc.get('copy_bandwidth_gbps'), '.0f')} GB/s; cold L2, median "
-             f"of {meta.get('timing', {}).get('reps', 'n')} reps.",
-             "",
-             "| case | direction | dtype | median us | GB/s | % copy bw | speedup vs reference |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"{meta.get('gpu_name')}, torch {meta.get('torch_version')}, CUDA "
+        f"{meta.get('cuda_version')}, commit {meta.get('git_commit')}, {meta.get('date_utc')}; "
+        f"copy bandwidth {_fmt(doc.get('copy_bandwidth_gbps'), '.0f')} GB/s; cold L2, median "
+        f"of {meta.get('timing', {}).get('reps', 'n')} reps.",
+        "",
+        "| case | direction | dtype | median us | GB/s | % copy bw | speedup vs reference |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in doc["results"]:
         if pattern and not re.search(pattern, r["name"]):
             continue
         status = "" if r.get("status") == "ok" else f" ({r.get('status')})"
-        lines.append(f"| {r['name']}{status} | {r['direction']} | {r['dtype']} | "
-                     f"{_fmt(r.get('median_us'), '.1f')} | {_fmt(r.get('gbps'), '.0f')} | "
-                     f"{_fmt(r.get('pct_of_copy_bw'), '.1f')} | "
-                     f"{_fmt(r.get('speedup_vs_reference'), '.1f')} |")
+        lines.append(
+            f"| {r['name']}{status} | {r['direction']} | {r['dtype']} | "
+            f"{_fmt(r.get('median_us'), '.1f')} | {_fmt(r.get('gbps'), '.0f')} | "
+            f"{_fmt(r.get('pct_of_copy_bw'), '.1f')} | "
+            f"{_fmt(r.get('speedup_vs_reference'), '.1f')} |"
+        )
     return "\n".join(lines)
 
 

@@ -47,8 +47,11 @@ def main(argv=None) -> int:
                     t = harness.time_gpu(fn, lambda: (), reps=a.reps, warmup=5)
                     row.append(t.median_us)
                 m._POINTS_PER_BLOCK = 0
-                print(f"{cfg} {harness.dtype_name(dtype)} {direction} | "
-                      + " ".join(f"{t:7.1f}" for t in row), flush=True)
+                print(
+                    f"{cfg} {harness.dtype_name(dtype)} {direction} | "
+                    + " ".join(f"{t:7.1f}" for t in row),
+                    flush=True,
+                )
     return 0
 
 

@@ -16,11 +16,11 @@ checked tightly, call by call.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import statistics
 import sys
 import time
-import contextlib
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,16 +31,32 @@ BACKEND_CHOICES = ("native", "reference", "auto", "cuda", "musa")
 
 def make_parser(description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--backend-a", choices=BACKEND_CHOICES, default=None,
-                   help="backend of run A (default: native on a GPU, reference on the CPU)")
-    p.add_argument("--backend-b", choices=BACKEND_CHOICES, default="reference",
-                   help="backend of run B, the baseline (default: reference)")
-    p.add_argument("--device", default=None,
-                   help="cuda, cuda:1, cpu ... (default: cuda when available, else cpu)")
-    p.add_argument("--small", action="store_true",
-                   help="tiny shapes (CPU checks and CI); default: the upstream config's shapes")
+    p.add_argument(
+        "--backend-a",
+        choices=BACKEND_CHOICES,
+        default=None,
+        help="backend of run A (default: native on a GPU, reference on the CPU)",
+    )
+    p.add_argument(
+        "--backend-b",
+        choices=BACKEND_CHOICES,
+        default="reference",
+        help="backend of run B, the baseline (default: reference)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cuda, cuda:1, cpu ... (default: cuda when available, else cpu)",
+    )
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="tiny shapes (CPU checks and CI); default: the upstream config's shapes",
+    )
     p.add_argument("--batch", type=int, default=None, help="batch size (default per script)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations (default 3, small 1)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed iterations (default 3, small 1)"
+    )
     p.add_argument("--reps", type=int, default=None, help="timed iterations (default 10, small 2)")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -72,27 +88,39 @@ class RunResult:
     grads: dict[str, torch.Tensor]
 
 
-def forward_backward(module: torch.nn.Module, inputs: dict[str, torch.Tensor],
-                     loss_weights: dict[str, torch.Tensor], collect: bool = True,
-                     no_grad_inputs: tuple[str, ...] = ()) -> RunResult | None:
+def forward_backward(
+    module: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    loss_weights: dict[str, torch.Tensor],
+    collect: bool = True,
+    no_grad_inputs: tuple[str, ...] = (),
+) -> RunResult | None:
     """One forward + backward. The loss is <output, fixed random weights>, so every output
     element gets a distinct, non-trivial gradient (a plain .sum() would give all-ones)."""
     module.zero_grad(set_to_none=True)
-    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point() and k not in no_grad_inputs)
-              for k, v in inputs.items()}
+    leaves = {
+        k: v.detach().clone().requires_grad_(v.is_floating_point() and k not in no_grad_inputs)
+        for k, v in inputs.items()
+    }
     outs = module(**leaves)
     loss = sum((outs[k].float() * loss_weights[k]).sum() for k in outs)
     loss.backward()
     if not collect:  # timing: no copies
         return None
     grads = {f"input.{k}": v.grad.detach().clone() for k, v in leaves.items() if v.grad is not None}
-    grads.update({f"param.{n}": p.grad.detach().clone() for n, p in module.named_parameters()
-                  if p.grad is not None})
+    grads.update(
+        {
+            f"param.{n}": p.grad.detach().clone()
+            for n, p in module.named_parameters()
+            if p.grad is not None
+        }
+    )
     return RunResult({k: v.detach().clone() for k, v in outs.items()}, grads)
 
 
-def compare(name: str, a: torch.Tensor, b: torch.Tensor, rel_tol: float,
-            metric: str = "max") -> tuple[bool, str]:
+def compare(
+    name: str, a: torch.Tensor, b: torch.Tensor, rel_tol: float, metric: str = "max"
+) -> tuple[bool, str]:
     """metric "max": max |a - b| <= rel_tol * max |b|, the error relative to the tensor's scale
     (an elementwise relative test is meaningless for sums that cancel to ~0: gradients, pooled
     features of empty cells). metric "l2": ||a - b||_2 <= rel_tol * ||b||_2, for tensors where a
@@ -111,12 +139,16 @@ def compare(name: str, a: torch.Tensor, b: torch.Tensor, rel_tol: float,
     else:
         raise ValueError(f"metric must be 'max' or 'l2', got {metric!r}")
     ok = err <= rel_tol * scale + 1e-30
-    return ok, f"{name:<44s} {label}|a-b| {err:9.3g}  {label}|b| {scale:9.3g}  rel " \
-               f"{err / max(scale, 1e-30):9.3g}  (tol {rel_tol:g}) {'ok' if ok else 'MISMATCH'}"
+    return (
+        ok,
+        f"{name:<44s} {label}|a-b| {err:9.3g}  {label}|b| {scale:9.3g}  rel "
+        f"{err / max(scale, 1e-30):9.3g}  (tol {rel_tol:g}) {'ok' if ok else 'MISMATCH'}",
+    )
 
 
-def check(a: RunResult, b: RunResult, out_tol: float, grad_tol: float,
-          grad_metric: str = "max") -> bool:
+def check(
+    a: RunResult, b: RunResult, out_tol: float, grad_tol: float, grad_metric: str = "max"
+) -> bool:
     ok_all = True
     if set(a.grads) != set(b.grads):
         print(f"MISMATCH: gradient sets differ: {sorted(set(a.grads) ^ set(b.grads))}")
@@ -139,6 +171,7 @@ def check(a: RunResult, b: RunResult, out_tol: float, grad_tol: float,
 class OpCheck:
     """Tolerances (max-relative, as `compare`) of one public muSPACE op re-run on the inputs it
     saw inside the module; `prepare(args) -> args` may adjust the recorded inputs first."""
+
     out_tol: float
     grad_tol: float
     prepare: Callable[[tuple], tuple] | None = None
@@ -156,17 +189,24 @@ class OpCall:
 def _recording(name: str, op: Callable, calls: list[OpCall]) -> Callable:
     """`op` that also appends each call's inputs (detached copies) to `calls` and, once backward
     has run, the gradient of its output."""
+
     def recorded(*args, **kwargs):
         out = op(*args, **kwargs)
-        call = OpCall(name, tuple(a.detach().clone() if torch.is_tensor(a) else a for a in args),
-                      {k: v for k, v in kwargs.items() if k != "backend"},
-                      requires_grad=tuple(torch.is_tensor(a) and a.requires_grad for a in args))
+        call = OpCall(
+            name,
+            tuple(a.detach().clone() if torch.is_tensor(a) else a for a in args),
+            {k: v for k, v in kwargs.items() if k != "backend"},
+            requires_grad=tuple(torch.is_tensor(a) and a.requires_grad for a in args),
+        )
         if out.requires_grad:
+
             def keep(grad, call=call):
                 call.grad_output = grad.detach().clone()
+
             out.register_hook(keep)
         calls.append(call)
         return out
+
     return recorded
 
 
@@ -177,8 +217,12 @@ def record_op_calls(names):
     from mu_space.patcher import Patch, Patcher
 
     calls: list[OpCall] = []
-    patches = [Patch(f"record {name}", f"mu_space.{name}",
-                     lambda op, name=name: _recording(name, op, calls)) for name in names]
+    patches = [
+        Patch(
+            f"record {name}", f"mu_space.{name}", lambda op, name=name: _recording(name, op, calls)
+        )
+        for name in names
+    ]
     with Patcher(patches):
         yield calls
 
@@ -186,13 +230,17 @@ def record_op_calls(names):
 def _run_call(call: OpCall, args: tuple, backend: str):
     import mu_space
 
-    leaves = tuple(a.clone().requires_grad_(True) if rg else a
-                   for a, rg in zip(args, call.requires_grad))
+    leaves = tuple(
+        a.clone().requires_grad_(True) if rg else a for a, rg in zip(args, call.requires_grad)
+    )
     with torch.enable_grad():
         out = getattr(mu_space, call.name)(*leaves, **call.kwargs, backend=backend)
         wanted = [x for x, rg in zip(leaves, call.requires_grad) if rg]
-        grads = torch.autograd.grad(out, wanted, call.grad_output) \
-            if wanted and call.grad_output is not None else ()
+        grads = (
+            torch.autograd.grad(out, wanted, call.grad_output)
+            if wanted and call.grad_output is not None
+            else ()
+        )
     return out.detach(), grads
 
 
@@ -202,15 +250,19 @@ def _positional_names(name: str, n: int) -> list[str]:
 
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     try:
-        names = [p.name for p in inspect.signature(getattr(mu_space, name)).parameters.values()
-                 if p.kind in kinds]
+        names = [
+            p.name
+            for p in inspect.signature(getattr(mu_space, name)).parameters.values()
+            if p.kind in kinds
+        ]
     except (TypeError, ValueError):
         names = []
     return names + [f"arg {i}" for i in range(len(names), n)]
 
 
-def check_op_calls(calls: list[OpCall], checks: dict[str, OpCheck], backend_a: str,
-                   backend_b: str) -> bool:
+def check_op_calls(
+    calls: list[OpCall], checks: dict[str, OpCheck], backend_a: str, backend_b: str
+) -> bool:
     """Each recorded call re-run with both backends on the identical inputs and the gradient it
     received in the module: output and input gradients compared (max-relative)."""
     ok_all = True
@@ -259,16 +311,25 @@ def time_step(step: Callable[[], None], device: torch.device, warmup: int, reps:
     return statistics.median(times)
 
 
-def run_ab(args: argparse.Namespace, title: str, build: Callable[[str], torch.nn.Module],
-           inputs: dict[str, torch.Tensor], out_tol: float, grad_tol: float,
-           no_grad_inputs: tuple[str, ...] = (), grad_metric: str = "max",
-           op_checks: dict[str, OpCheck] | None = None) -> int:
+def run_ab(
+    args: argparse.Namespace,
+    title: str,
+    build: Callable[[str], torch.nn.Module],
+    inputs: dict[str, torch.Tensor],
+    out_tol: float,
+    grad_tol: float,
+    no_grad_inputs: tuple[str, ...] = (),
+    grad_metric: str = "max",
+    op_checks: dict[str, OpCheck] | None = None,
+) -> int:
     """Build the module for each backend from the same seed, check A against B, time both.
     `op_checks`: also re-run each call of these public ops made in run A on its recorded
     inputs with both backends. Returns the process exit status (0 pass, 1 mismatch)."""
     dev = args.device
-    print(f"{title}\ndevice {dev}, backend A = {args.backend_a}, backend B = {args.backend_b}, "
-          f"torch {torch.__version__}")
+    print(
+        f"{title}\ndevice {dev}, backend A = {args.backend_a}, backend B = {args.backend_b}, "
+        f"torch {torch.__version__}"
+    )
     for k, v in inputs.items():
         print(f"  input {k}: {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}")
     modules = {}
@@ -289,23 +350,31 @@ def run_ab(args: argparse.Namespace, title: str, build: Callable[[str], torch.nn
     with record_op_calls(op_checks or {}) as calls:
         res_a = forward_backward(modules["A"], inputs, weights, True, no_grad_inputs)
     res_b = forward_backward(modules["B"], inputs, weights, True, no_grad_inputs)
-    bound = "max|a-b| <= tol * max|b|" if grad_metric == "max" else \
-        "outputs max|a-b| <= tol * max|b|, gradients ||a-b||_2 <= tol * ||b||_2"
+    bound = (
+        "max|a-b| <= tol * max|b|"
+        if grad_metric == "max"
+        else "outputs max|a-b| <= tol * max|b|, gradients ||a-b||_2 <= tol * ||b||_2"
+    )
     print(f"A vs B, module (bound: {bound}):")
     ok = check(res_a, res_b, out_tol, grad_tol, grad_metric)
     del res_a, res_b
     if op_checks:
-        print(f"A vs B, each of the {len(calls)} recorded op calls on its own inputs "
-              "(bound: max|a-b| <= tol * max|b|):")
+        print(
+            f"A vs B, each of the {len(calls)} recorded op calls on its own inputs "
+            "(bound: max|a-b| <= tol * max|b|):"
+        )
         ok &= check_op_calls(calls, op_checks, args.backend_a, args.backend_b)
     del calls
 
     ms = {}
     for label in ("A", "B"):
         m = modules[label]
-        ms[label] = time_step(lambda m=m: forward_backward(m, inputs, weights, False,
-                                                               no_grad_inputs), dev,
-                              args.warmup, args.reps)
+        ms[label] = time_step(
+            lambda m=m: forward_backward(m, inputs, weights, False, no_grad_inputs),
+            dev,
+            args.warmup,
+            args.reps,
+        )
     clock = "CUDA events" if dev.type == "cuda" else "perf_counter"
     print(f"forward + backward, median of {args.reps} ({clock}):")
     print(f"  A ({args.backend_a}): {ms['A']:.3f} ms")

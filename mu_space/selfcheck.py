@@ -64,17 +64,28 @@ def _compare(name: str, got, want, atol: float, rtol: float) -> float:
     worst = 0.0
     for i, (g, w) in enumerate(zip(_as_tuple(got), _as_tuple(want))):
         if g.shape != w.shape or g.dtype != w.dtype:
-            raise AssertionError(f"{name}[{i}]: {g.dtype}{list(g.shape)} vs reference "
-                                 f"{w.dtype}{list(w.shape)}")
-        torch.testing.assert_close(g, w, atol=atol, rtol=rtol, equal_nan=False,
-                                   msg=lambda m: f"{name}[{i}] differs from reference: {m}")
+            raise AssertionError(
+                f"{name}[{i}]: {g.dtype}{list(g.shape)} vs reference {w.dtype}{list(w.shape)}"
+            )
+        torch.testing.assert_close(
+            g,
+            w,
+            atol=atol,
+            rtol=rtol,
+            equal_nan=False,
+            msg=lambda m: f"{name}[{i}] differs from reference: {m}",
+        )
         worst = max(worst, _max_error(g, w))
     return worst
 
 
 def _grads(spec, case, backend):
-    args = [a.detach().clone().requires_grad_(True)
-            if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in case.args]
+    args = [
+        a.detach().clone().requires_grad_(True)
+        if isinstance(a, torch.Tensor) and a.is_floating_point()
+        else a
+        for a in case.args
+    ]
     out = spec.api(*args, **case.kwargs, backend=backend)
     outs = _as_tuple(out)
     torch.manual_seed(0)
@@ -93,8 +104,13 @@ def run_case(spec, case, device) -> dict:
         got = spec.api(*case.args, **case.kwargs, backend=backend)
         row["max_abs_err"] = _compare("output", got, want, case.atol, case.rtol)
         if case.backward:
-            err = _compare("grad", _grads(spec, case, backend), _grads(spec, case, "reference"),
-                           case.atol, case.rtol)
+            err = _compare(
+                "grad",
+                _grads(spec, case, backend),
+                _grads(spec, case, "reference"),
+                case.atol,
+                case.rtol,
+            )
             row["max_abs_err"] = max(row["max_abs_err"], err)
         row["status"] = "PASS"
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then the run goes on
@@ -106,11 +122,16 @@ def run_case(spec, case, device) -> dict:
 
 def operator_table(device: torch.device) -> list[dict]:
     reason = native.unavailable_reason(device)
-    return [{
-        "op": s.name, "family": s.family, "dtypes": list(s.dtypes),
-        "native_entry_points": {e: native.has_function(e) for e in s.native_entry_points},
-        "auto_backend_here": device.type if reason is None else "reference",
-    } for s in registry.operators()]
+    return [
+        {
+            "op": s.name,
+            "family": s.family,
+            "dtypes": list(s.dtypes),
+            "native_entry_points": {e: native.has_function(e) for e in s.native_entry_points},
+            "auto_backend_here": device.type if reason is None else "reference",
+        }
+        for s in registry.operators()
+    ]
 
 
 def _print_text(env, table, rows) -> None:
@@ -119,7 +140,9 @@ def _print_text(env, table, rows) -> None:
         print(f"  {key:28s} {value}")
     print("\noperators on this machine:")
     for t in table:
-        entries = ", ".join(f"{e}{'' if ok else ' (missing)'}" for e, ok in t["native_entry_points"].items())
+        entries = ", ".join(
+            f"{e}{'' if ok else ' (missing)'}" for e, ok in t["native_entry_points"].items()
+        )
         print(f"  {t['op']:20s} {t['family']:10s} auto -> {t['auto_backend_here']:9s} [{entries}]")
     print("\nself-check (native vs reference where native runs):")
     for r in rows:
@@ -134,8 +157,11 @@ def main(argv=None) -> int:
     parser.add_argument("--strict", action="store_true", help="any auto fallback is a failure")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--device", help="device to check (default: first GPU, else cpu)")
-    parser.add_argument("--operator-matrix", action="store_true",
-                        help="print docs/operator_matrix.md generated from the registry and exit")
+    parser.add_argument(
+        "--operator-matrix",
+        action="store_true",
+        help="print docs/operator_matrix.md generated from the registry and exit",
+    )
     args = parser.parse_args(argv)
     if args.operator_matrix:
         sys.stdout.write(registry.operator_matrix_markdown())
@@ -147,21 +173,38 @@ def main(argv=None) -> int:
     env = environment(device)
     table = operator_table(device)
     torch.manual_seed(0)
-    rows = [run_case(spec, case, device)
-            for spec in registry.operators() for case in spec.self_check_cases(device)]
+    rows = [
+        run_case(spec, case, device)
+        for spec in registry.operators()
+        for case in spec.self_check_cases(device)
+    ]
     failed = [r for r in rows if r["status"] != "PASS"]
     if args.strict and not env["native_usable_on_device"]:
-        failed.append({"op": "*", "error": f"strict: native unavailable: {env['native_device_reason']}"})
+        failed.append(
+            {"op": "*", "error": f"strict: native unavailable: {env['native_device_reason']}"}
+        )
     if args.json:
-        print(json.dumps({"environment": env, "operators": table, "results": rows,
-                          "dispatch": kernel_dispatch.records(), "ok": not failed}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "environment": env,
+                    "operators": table,
+                    "results": rows,
+                    "dispatch": kernel_dispatch.records(),
+                    "ok": not failed,
+                },
+                indent=2,
+            )
+        )
     else:
         _print_text(env, table, rows)
         for r in failed:
             if "traceback" in r:
                 print(f"\n{r['op']} / {r['case']} failed:\n{r['traceback']}", file=sys.stderr)
-        print(f"\nself-check: {len(rows) - len([r for r in failed if 'case' in r])}/{len(rows)} "
-              f"cases passed{'; FAILED' if failed else ''}")
+        print(
+            f"\nself-check: {len(rows) - len([r for r in failed if 'case' in r])}/{len(rows)} "
+            f"cases passed{'; FAILED' if failed else ''}"
+        )
         if args.strict and not env["native_usable_on_device"]:
             print(f"strict: native kernels unavailable: {env['native_device_reason']}")
     return 1 if failed else 0

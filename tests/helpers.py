@@ -24,7 +24,9 @@ def tolerance(dtype: torch.dtype) -> dict:
     return {"atol": atol, "rtol": rtol}
 
 
-def assert_close(got: torch.Tensor, want: torch.Tensor, *, atol: float, rtol: float, name: str = "out"):
+def assert_close(
+    got: torch.Tensor, want: torch.Tensor, *, atol: float, rtol: float, name: str = "out"
+):
     """assert_close that reports where and how much the worst element differs; NaN never passes."""
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
@@ -32,19 +34,26 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, *, atol: float, rtol: fl
         return
     g, w = got.detach().double().cpu(), want.detach().double().cpu()
     nan = torch.isnan(g) & ~torch.isnan(w)
-    assert not nan.any(), f"{name}: {int(nan.sum())} NaN elements (unwritten?), first at " \
-                          f"{tuple(int(i) for i in nan.nonzero()[0])}"
+    assert not nan.any(), (
+        f"{name}: {int(nan.sum())} NaN elements (unwritten?), first at "
+        f"{tuple(int(i) for i in nan.nonzero()[0])}"
+    )
     err = (g - w).abs()
     bound = atol + rtol * w.abs()
     bad = err > bound
     if bad.any():
-        idx = tuple(int(i) for i in (err - bound).flatten().argmax().unravel_index(err.shape)) \
-            if hasattr(torch.Tensor, "unravel_index") else \
-            tuple(int(i) for i in torch.unravel_index((err - bound).flatten().argmax(), err.shape))
+        idx = (
+            tuple(int(i) for i in (err - bound).flatten().argmax().unravel_index(err.shape))
+            if hasattr(torch.Tensor, "unravel_index")
+            else tuple(
+                int(i) for i in torch.unravel_index((err - bound).flatten().argmax(), err.shape)
+            )
+        )
         raise AssertionError(
             f"{name}: {int(bad.sum())}/{err.numel()} elements out of tolerance (atol={atol}, "
             f"rtol={rtol}); worst at {idx}: got {g[idx].item():.9g}, want {w[idx].item():.9g}; "
-            f"max abs err {err.max().item():.3g}")
+            f"max abs err {err.max().item():.3g}"
+        )
 
 
 def poisoned(shape, dtype, device) -> torch.Tensor:

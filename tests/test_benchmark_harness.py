@@ -43,10 +43,19 @@ def parse(*argv):
 
 
 def make_case(name="case-a", fn=None, reference=None, check=None, nbytes=1_000_000, **kw):
-    return Case(name=name, op="toy", direction="forward", dtype=torch.float32,
-                params={"n": 4}, compulsory_bytes=nbytes,
-                fn=fn or (lambda x: x + 1), make_args=lambda: (torch.arange(4.0),),
-                reference=reference, check=check, **kw)
+    return Case(
+        name=name,
+        op="toy",
+        direction="forward",
+        dtype=torch.float32,
+        params={"n": 4},
+        compulsory_bytes=nbytes,
+        fn=fn or (lambda x: x + 1),
+        make_args=lambda: (torch.arange(4.0),),
+        reference=reference,
+        check=check,
+        **kw,
+    )
 
 
 # --------------------------------------------------------------------------- timing math
@@ -69,8 +78,9 @@ def test_time_cpu_statistics_and_rotation(clock):
         clock.spend(next(costs))
 
     counter = iter(range(1000))
-    timing = harness.time_cpu(fn, lambda: torch.tensor(next(counter)), reps=100, warmup=3,
-                              n_arg_sets=3)
+    timing = harness.time_cpu(
+        fn, lambda: torch.tensor(next(counter)), reps=100, warmup=3, n_arg_sets=3
+    )
     assert timing.reps == 100 and timing.mode == "cpu" and timing.n_arg_sets == 3
     assert timing.median_us == pytest.approx(50.5)
     assert timing.mean_us == pytest.approx(50.5)
@@ -137,8 +147,10 @@ def test_failing_check_is_recorded_and_not_timed():
     def check(out, ref):
         assert torch.equal(out, ref), "native differs from reference"
 
-    cases = [make_case("bad", fn=bad, reference=lambda x: x + 1, check=check),
-             make_case("good", fn=good, reference=lambda x: x + 1, check=check)]
+    cases = [
+        make_case("bad", fn=bad, reference=lambda x: x + 1, check=check),
+        make_case("good", fn=good, reference=lambda x: x + 1, check=check),
+    ]
     records = harness.run_cases(cases, args=parse("--reps", "5", "--warmup", "1"), copy_bw=1.0)
     bad_rec, good_rec = records
     assert calls["bad"] == 1  # the check call only
@@ -155,8 +167,9 @@ def test_default_check_catches_mismatch_and_errors():
     mismatch = make_case("mismatch", reference=lambda x: x)  # fn is x + 1
     raising = make_case("raising", fn=lambda x: 1 / 0, reference=lambda x: x)
     unchecked = make_case("unchecked")
-    records = harness.run_cases([mismatch, raising, unchecked],
-                                args=parse("--reps", "3", "--warmup", "0"), copy_bw=1.0)
+    records = harness.run_cases(
+        [mismatch, raising, unchecked], args=parse("--reps", "3", "--warmup", "0"), copy_bw=1.0
+    )
     assert [r["status"] for r in records] == ["failed", "failed", "ok"]
     assert "AssertionError" in records[0]["error"]
     assert "ZeroDivisionError" in records[1]["error"]
@@ -170,11 +183,20 @@ def test_check_without_reference_is_rejected():
 
 def test_argparser_defaults_and_case_filter():
     args = parse()
-    assert (args.reps, args.warmup, args.no_flush, args.graph, args.quick) == (100, 10, False,
-                                                                                False, False)
+    assert (args.reps, args.warmup, args.no_flush, args.graph, args.quick) == (
+        100,
+        10,
+        False,
+        False,
+        False,
+    )
     assert args.out is None and args.cases is None and args.no_write is False
-    assert harness.timing_settings(args) == {"reps": 100, "warmup": 10, "flush": True,
-                                             "graph": False}
+    assert harness.timing_settings(args) == {
+        "reps": 100,
+        "warmup": 10,
+        "flush": True,
+        "graph": False,
+    }
     assert harness.timing_settings(parse("--quick"))["reps"] == 10
     cases = [make_case("bevdet-r50-256x704"), make_case("sweep-n-1000")]
     picked = harness.select_cases(cases, parse("--cases", "^bevdet").cases)
@@ -197,9 +219,19 @@ def test_gpu_slug():
 
 def test_environment_metadata_is_json_serialisable():
     meta = harness.environment_metadata()
-    for key in ("gpu_name", "sm_count", "l2_bytes", "driver_version", "cuda_version",
-                "torch_version", "tvm_ffi_version", "mu_space_version", "python_version",
-                "git_commit", "date_utc"):
+    for key in (
+        "gpu_name",
+        "sm_count",
+        "l2_bytes",
+        "driver_version",
+        "cuda_version",
+        "torch_version",
+        "tvm_ffi_version",
+        "mu_space_version",
+        "python_version",
+        "git_commit",
+        "date_utc",
+    ):
         assert key in meta
     assert meta["torch_version"] == torch.__version__
     assert meta["date_utc"].endswith("+00:00")
@@ -216,9 +248,18 @@ def _sample_records(clock):
 
     cases = [make_case("bevdet-r50-256x704", fn=fn, reference=lambda x: x + 1)]
     for n in (1000, 10000, 100000):
-        cases.append(Case(name=f"sweep-n_points-{n}", op="toy", direction="backward",
-                          dtype="float16", params={"sweep": "n_points", "n_points": n},
-                          compulsory_bytes=n * 8, fn=fn, make_args=lambda: (torch.zeros(2),)))
+        cases.append(
+            Case(
+                name=f"sweep-n_points-{n}",
+                op="toy",
+                direction="backward",
+                dtype="float16",
+                params={"sweep": "n_points", "n_points": n},
+                compulsory_bytes=n * 8,
+                fn=fn,
+                make_args=lambda: (torch.zeros(2),),
+            )
+        )
     return harness.run_cases(cases, args=parse("--reps", "5", "--warmup", "0"), copy_bw=1000.0)
 
 
@@ -266,7 +307,9 @@ def test_report_tables_read_the_committed_results():
     quote them), including bench_overhead's own format."""
     from benchmarks import report
 
-    files = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("*/*.json"))
+    files = sorted(
+        (Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("*/*.json")
+    )
     assert files, "no committed benchmark results"
     for f in files:
         doc = json.loads(f.read_text())

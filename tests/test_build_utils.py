@@ -39,8 +39,11 @@ def test_mcc_under_musa_home_wins(tmp_path):
 
 def test_cuda_arch_list_from_env(tmp_path):
     _fake_exe(tmp_path / "bin" / "nvcc")
-    env = {"PATH": str(tmp_path / "bin"), "MUSA_HOME": str(tmp_path / "none"),
-           "CUDA_ARCH": "80, 90a"}
+    env = {
+        "PATH": str(tmp_path / "bin"),
+        "MUSA_HOME": str(tmp_path / "none"),
+        "CUDA_ARCH": "80, 90a",
+    }
     tc = build_utils.detect_toolchain(env).toolchain
     assert tc.backend == "cuda" and tc.archs == ["80", "90a"]
     cmd = build_utils.compile_command(tc, Path("a.mu"), Path("a.o"), [])

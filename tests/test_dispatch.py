@@ -13,7 +13,8 @@ CPU = torch.device("cpu")
 def test_reference_backend_is_always_recorded_as_requested():
     assert kernel_dispatch.use_native("op_a", "reference", CPU) is False
     assert kernel_dispatch.records() == [
-        {"op": "op_a", "backend": "reference", "reason": "requested", "calls": 1}]
+        {"op": "op_a", "backend": "reference", "reason": "requested", "calls": 1}
+    ]
 
 
 def test_auto_on_cpu_falls_back_with_the_reason():
@@ -88,6 +89,7 @@ def library_at(monkeypatch):
     def point(path):
         monkeypatch.setenv("MUSPACE_LIBRARY", str(path))
         native.reset()
+
     yield point
     monkeypatch.delenv("MUSPACE_LIBRARY", raising=False)
     native.reset()
@@ -122,5 +124,7 @@ def test_arch_mismatch_is_explained(monkeypatch):
 def test_library_for_other_backend_is_explained(monkeypatch):
     st = native.NativeStatus(built=True, loaded=True, backend="musa", archs=["31"])
     monkeypatch.setattr(native, "status", lambda: st)
-    assert native._compute_reason(torch.device("cuda", 0)) == \
-        "native library built for musa, tensors are on cuda"
+    assert (
+        native._compute_reason(torch.device("cuda", 0))
+        == "native library built for musa, tensors are on cuda"
+    )

@@ -44,8 +44,14 @@ def test_script_small_cpu_passes(name, capsys):
     assert "MISMATCH" not in out
 
 
-@pytest.mark.parametrize("name, op", [("bevdet", "bev_pool_v2"), ("bevfusion", "bev_pool"),
-                                      ("bevformer", "multi_scale_deformable_attn")])
+@pytest.mark.parametrize(
+    "name, op",
+    [
+        ("bevdet", "bev_pool_v2"),
+        ("bevfusion", "bev_pool"),
+        ("bevformer", "multi_scale_deformable_attn"),
+    ],
+)
 def test_script_detects_a_wrong_backend(name, op, monkeypatch, capsys):
     """Backend A ("auto", which is the reference on the CPU) gets an operator that is off by
     1e-3 relative: the script must report the mismatch and exit 1."""
@@ -57,8 +63,9 @@ def test_script_detects_a_wrong_backend(name, op, monkeypatch, capsys):
 
     monkeypatch.setattr(mu_space, op, off_by_a_little)
     module = _load(name)
-    status = module.main(["--device", "cpu", "--small", "--backend-a", "auto", "--warmup", "0",
-                          "--reps", "1"])
+    status = module.main(
+        ["--device", "cpu", "--small", "--backend-a", "auto", "--warmup", "0", "--reps", "1"]
+    )
     out = capsys.readouterr().out
     assert status == 1, out
     assert "MISMATCH" in out and "FAIL" in out
@@ -70,14 +77,29 @@ def test_native_on_cpu_is_a_clear_error():
 
 
 def _torchrun(nproc: int, json_path: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+    )
     with socket.socket() as sock:  # a free port (--standalone's rendezvous hangs in some sandboxes)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--master_addr=127.0.0.1",
-           f"--master_port={port}", f"--nproc_per_node={nproc}", str(EXAMPLES / "BEVDet" / "scripts" / "train_ddp.py"),
-           "--device", "cpu", "--small", "--compare-single", str(json_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        f"--nproc_per_node={nproc}",
+        str(EXAMPLES / "BEVDet" / "scripts" / "train_ddp.py"),
+        "--device",
+        "cpu",
+        "--small",
+        "--compare-single",
+        str(json_path),
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -89,8 +111,11 @@ def test_train_ddp_two_gloo_processes_match_one(tmp_path):
     assert ref.exists() and "wrote the 1-process reference" in one.stdout
     two = _torchrun(2, ref)
     assert two.returncode == 0, two.stdout + two.stderr
-    for line in ("check 1, loss falls", "check 2, ranks' parameters identical",
-                 "check 3, 2 processes vs 1 process"):
+    for line in (
+        "check 1, loss falls",
+        "check 2, ranks' parameters identical",
+        "check 3, 2 processes vs 1 process",
+    ):
         hits = [s for s in two.stdout.splitlines() if s.startswith(line)]
         assert hits and hits[0].endswith("ok"), two.stdout
     assert "PASS" in two.stdout

@@ -13,9 +13,10 @@ from mu_space.patcher.core import PatchTargetMissing
 def upstream(monkeypatch):
     """A fake `fakeup` package: fakeup.ops.pool (defines pool), re-exported as fakeup.ops.pool_fn,
     imported by value into fakeup.models.neck, and a class with a static method."""
-    pkg, ops, pool_mod, models, neck = (types.ModuleType(n) for n in
-                                        ("fakeup", "fakeup.ops", "fakeup.ops.pool", "fakeup.models",
-                                         "fakeup.models.neck"))
+    pkg, ops, pool_mod, models, neck = (
+        types.ModuleType(n)
+        for n in ("fakeup", "fakeup.ops", "fakeup.ops.pool", "fakeup.models", "fakeup.models.neck")
+    )
 
     def pool(x, scale=1):
         return ("upstream", x * scale)
@@ -33,13 +34,15 @@ def upstream(monkeypatch):
     pkg.ops, pkg.models, models.neck = ops, models, neck
     for m in (pkg, ops, pool_mod, models, neck):
         monkeypatch.setitem(sys.modules, m.__name__, m)
-    return types.SimpleNamespace(pool=pool, neck=neck, ops=ops, pool_mod=pool_mod,
-                                 Transformer=Transformer)
+    return types.SimpleNamespace(
+        pool=pool, neck=neck, ops=ops, pool_mod=pool_mod, Transformer=Transformer
+    )
 
 
 def ours(original):
     def pool(x, scale=1):
         return ("mu_space", x * scale)
+
     pool.__wrapped_original__ = original
     return pool
 
@@ -54,11 +57,16 @@ def test_resolve_imports_the_longest_module_prefix(upstream):
 
 
 def test_apply_restore_with_aliases_and_rebinding(upstream):
-    patcher = Patcher([Patch("pool", "fakeup.ops.pool.pool", ours, aliases=("fakeup.ops.pool_fn",))])
+    patcher = Patcher(
+        [Patch("pool", "fakeup.ops.pool.pool", ours, aliases=("fakeup.ops.pool_fn",))]
+    )
     (result,) = patcher.apply()
     assert result.status == "applied"
-    assert set(result.targets) == {"fakeup.ops.pool.pool", "fakeup.ops.pool_fn",
-                                   "fakeup.models.neck.pool_fn"}
+    assert set(result.targets) == {
+        "fakeup.ops.pool.pool",
+        "fakeup.ops.pool_fn",
+        "fakeup.models.neck.pool_fn",
+    }
     assert upstream.pool_mod.pool(2)[0] == "mu_space"
     assert upstream.ops.pool_fn(2) == ("mu_space", 2)
     assert upstream.neck.pool_fn(3, scale=2) == ("mu_space", 6)  # bound before patching
@@ -76,8 +84,12 @@ def test_context_manager_restores_on_error(upstream):
 
 
 def test_absent_upstream_is_a_clean_skip(upstream):
-    patcher = Patcher([Patch("missing-module", "not_installed_pkg.ops.thing", ours),
-                       Patch("missing-attr", "fakeup.ops.pool.gone", ours)])
+    patcher = Patcher(
+        [
+            Patch("missing-module", "not_installed_pkg.ops.thing", ours),
+            Patch("missing-attr", "fakeup.ops.pool.gone", ours),
+        ]
+    )
     results = {r.name: r for r in patcher.apply()}
     assert results["missing-module"].status == "skipped"
     assert "not importable" in results["missing-module"].reason
@@ -87,7 +99,12 @@ def test_absent_upstream_is_a_clean_skip(upstream):
 
 def test_precheck_failure_skips_with_reason(upstream):
     def needs_three_args(fn):
-        return None if fn.__code__.co_argcount == 3 else f"expected 3 arguments, got {fn.__code__.co_argcount}"
+        return (
+            None
+            if fn.__code__.co_argcount == 3
+            else f"expected 3 arguments, got {fn.__code__.co_argcount}"
+        )
+
     patcher = Patcher([Patch("pool", "fakeup.ops.pool.pool", ours, precheck=needs_three_args)])
     (result,) = patcher.apply()
     assert result.status == "skipped" and "expected 3 arguments, got 2" in result.reason
@@ -110,8 +127,15 @@ def test_disable_enable_and_add(upstream):
 
 
 def test_static_method_patch_restores_the_descriptor(upstream):
-    patcher = Patcher([Patch("prepare", "fakeup.models.neck.Transformer.prepare",
-                             lambda orig: staticmethod(lambda x: ("mu_space-prepare", x)))])
+    patcher = Patcher(
+        [
+            Patch(
+                "prepare",
+                "fakeup.models.neck.Transformer.prepare",
+                lambda orig: staticmethod(lambda x: ("mu_space-prepare", x)),
+            )
+        ]
+    )
     patcher.apply()
     assert upstream.Transformer().prepare(1) == ("mu_space-prepare", 1)
     patcher.restore()

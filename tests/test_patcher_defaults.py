@@ -11,8 +11,8 @@ Every module goes into sys.modules through monkeypatch, so nothing leaks between
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +21,17 @@ from mu_space.ops.multi_scale_deformable_attn import (
     multi_scale_deformable_attn_reference,
     multi_scale_deformable_attn_reference_backward,
 )
-from mu_space.patcher import Patcher, default_patcher, default_patches
+from mu_space.patcher import default_patcher, default_patches
 from mu_space.testing import bev_geometry, bev_pool_inputs, msda_inputs
 from tests.helpers import assert_close, native_gpu_device
 
-ALL = {"mmcv.MultiScaleDeformableAttnFunction", "mmcv.multi_scale_deformable_attn_pytorch",
-       "bevdet.bev_pool_v2", "bevdet.voxel_pooling_prepare_v2", "bevfusion.bev_pool"}
+ALL = {
+    "mmcv.MultiScaleDeformableAttnFunction",
+    "mmcv.multi_scale_deformable_attn_pytorch",
+    "bevdet.bev_pool_v2",
+    "bevdet.voxel_pooling_prepare_v2",
+    "bevfusion.bev_pool",
+}
 ON_BY_DEFAULT = ALL - {"mmcv.multi_scale_deformable_attn_pytorch"}
 
 # Patched vs stand-in on the CPU: both sides are float32 sums of the same products in another
@@ -35,8 +40,9 @@ F32 = {"atol": 1e-5, "rtol": 1e-5}
 
 # The "tiny" camera rig on a non-square grid (X = 20, Y = 16 cells), so that a swapped x / y
 # (or H / W) axis anywhere changes the result.
-TINY_RECT = bev_geometry.BEVConfig(**{**bev_geometry.CONFIGS["tiny"].__dict__,
-                                      "name": "tiny-rect", "y": (-40.0, 40.0, 5.0)})
+TINY_RECT = bev_geometry.BEVConfig(
+    **{**bev_geometry.CONFIGS["tiny"].__dict__, "name": "tiny-rect", "y": (-40.0, 40.0, 5.0)}
+)
 
 
 # --------------------------------------------------------------------------- stand-ins
@@ -53,7 +59,7 @@ def _modules(monkeypatch, *specs):
                 made[sub] = types.ModuleType(sub)
                 monkeypatch.setitem(sys.modules, sub, made[sub])
                 if i > 1:
-                    setattr(made[".".join(parts[:i - 1])], parts[i - 1], made[sub])
+                    setattr(made[".".join(parts[: i - 1])], parts[i - 1], made[sub])
     return made
 
 
@@ -63,46 +69,80 @@ def _install_mmcv(monkeypatch):
 
     class MultiScaleDeformableAttnFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, value, value_spatial_shapes, value_level_start_index,
-                    sampling_locations, attention_weights, im2col_step):
+        def forward(
+            ctx,
+            value,
+            value_spatial_shapes,
+            value_level_start_index,
+            sampling_locations,
+            attention_weights,
+            im2col_step,
+        ):
             sampling_locations = sampling_locations.type_as(value)  # mmcv's AMP cast
             attention_weights = attention_weights.type_as(value)
-            ctx.save_for_backward(value, value_spatial_shapes, value_level_start_index,
-                                  sampling_locations, attention_weights)
+            ctx.save_for_backward(
+                value,
+                value_spatial_shapes,
+                value_level_start_index,
+                sampling_locations,
+                attention_weights,
+            )
             return multi_scale_deformable_attn_reference(
-                value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                attention_weights)
+                value,
+                value_spatial_shapes,
+                value_level_start_index,
+                sampling_locations,
+                attention_weights,
+            )
 
         @staticmethod
         def backward(ctx, grad_output):
             value, shapes, starts, loc, attn = ctx.saved_tensors
             g_value, g_loc, g_attn = multi_scale_deformable_attn_reference_backward(
-                grad_output, value, shapes, starts, loc, attn)
+                grad_output, value, shapes, starts, loc, attn
+            )
             return g_value, None, None, g_loc, g_attn, None
 
-    def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_locations,
-                                            attention_weights):
+    def multi_scale_deformable_attn_pytorch(
+        value, value_spatial_shapes, sampling_locations, attention_weights
+    ):
         sizes = [int(h) * int(w) for h, w in value_spatial_shapes]
         starts = torch.tensor([sum(sizes[:i]) for i in range(len(sizes))])
         shapes = torch.as_tensor([[int(h), int(w)] for h, w in value_spatial_shapes])
-        return multi_scale_deformable_attn_reference(value, shapes, starts, sampling_locations,
-                                                     attention_weights)
+        return multi_scale_deformable_attn_reference(
+            value, shapes, starts, sampling_locations, attention_weights
+        )
 
     msda_mod.MultiScaleDeformableAttnFunction = MultiScaleDeformableAttnFunction
     msda_mod.multi_scale_deformable_attn_pytorch = multi_scale_deformable_attn_pytorch
     mods["mmcv.ops"].MultiScaleDeformableAttnFunction = MultiScaleDeformableAttnFunction
-    return types.SimpleNamespace(module=msda_mod, ops=mods["mmcv.ops"],
-                                 Function=MultiScaleDeformableAttnFunction,
-                                 pytorch=multi_scale_deformable_attn_pytorch)
+    return types.SimpleNamespace(
+        module=msda_mod,
+        ops=mods["mmcv.ops"],
+        Function=MultiScaleDeformableAttnFunction,
+        pytorch=multi_scale_deformable_attn_pytorch,
+    )
 
 
 def _install_bevdet(monkeypatch):
-    mods = _modules(monkeypatch, "mmdet3d.ops.bev_pool_v2.bev_pool",
-                    "mmdet3d.models.necks.view_transformer")
-    pool_mod, vt = mods["mmdet3d.ops.bev_pool_v2.bev_pool"], mods["mmdet3d.models.necks.view_transformer"]
+    mods = _modules(
+        monkeypatch, "mmdet3d.ops.bev_pool_v2.bev_pool", "mmdet3d.models.necks.view_transformer"
+    )
+    pool_mod, vt = (
+        mods["mmdet3d.ops.bev_pool_v2.bev_pool"],
+        mods["mmdet3d.models.necks.view_transformer"],
+    )
 
-    def _bev_pool_v2_standin(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape,
-                             interval_starts, interval_lengths):
+    def _bev_pool_v2_standin(
+        depth,
+        feat,
+        ranks_depth,
+        ranks_feat,
+        ranks_bev,
+        bev_feat_shape,
+        interval_starts,
+        interval_lengths,
+    ):
         """BEVDet bev_pool_v2: float32 sums of depth * feat rows per interval cell -> [B, C, Z, Y, X]."""
         depth, feat = depth.float(), feat.float()
         B, Z, Y, X, C = (int(v) for v in bev_feat_shape)
@@ -116,7 +156,9 @@ def _install_bevdet(monkeypatch):
         return out.view(B, Z, Y, X, C).permute(0, 4, 1, 2, 3).contiguous()
 
     pool_mod.bev_pool_v2 = _bev_pool_v2_standin
-    vt.bev_pool_v2 = _bev_pool_v2_standin  # `from mmdet3d.ops.bev_pool_v2.bev_pool import bev_pool_v2`
+    vt.bev_pool_v2 = (
+        _bev_pool_v2_standin  # `from mmdet3d.ops.bev_pool_v2.bev_pool import bev_pool_v2`
+    )
 
     class LSSViewTransformer:
         def __init__(self, cfg):
@@ -145,23 +187,29 @@ def _install_bevdet(monkeypatch):
 
         def voxel_pooling_v2(self, coor, depth, feat):
             """feat [B, N, C, H, W] -> [B, C * Z, Y, X] (as BEVDet's; the global bev_pool_v2)."""
-            ranks_bev, ranks_depth, ranks_feat, starts, lengths = self.voxel_pooling_prepare_v2(coor)
+            ranks_bev, ranks_depth, ranks_feat, starts, lengths = self.voxel_pooling_prepare_v2(
+                coor
+            )
             X, Y, Z = (int(v) for v in self.grid_size)
             feat = feat.permute(0, 1, 3, 4, 2)
             shape = (depth.shape[0], Z, Y, X, feat.shape[-1])
             out = sys.modules["mmdet3d.models.necks.view_transformer"].bev_pool_v2(
-                depth, feat, ranks_depth, ranks_feat, ranks_bev, shape, starts, lengths)
+                depth, feat, ranks_depth, ranks_feat, ranks_bev, shape, starts, lengths
+            )
             return torch.cat(out.unbind(dim=2), 1)
 
     vt.LSSViewTransformer = LSSViewTransformer
-    return types.SimpleNamespace(pool_mod=pool_mod, vt=vt, bev_pool_v2=_bev_pool_v2_standin,
-                                 LSSViewTransformer=LSSViewTransformer,
-                                 prepare=LSSViewTransformer.voxel_pooling_prepare_v2)
+    return types.SimpleNamespace(
+        pool_mod=pool_mod,
+        vt=vt,
+        bev_pool_v2=_bev_pool_v2_standin,
+        LSSViewTransformer=LSSViewTransformer,
+        prepare=LSSViewTransformer.voxel_pooling_prepare_v2,
+    )
 
 
 def _install_bevfusion(monkeypatch):
-    mods = _modules(monkeypatch, "mmdet3d.ops.bev_pool.bev_pool",
-                    "mmdet3d.models.vtransforms.base")
+    mods = _modules(monkeypatch, "mmdet3d.ops.bev_pool.bev_pool", "mmdet3d.models.vtransforms.base")
 
     def bev_pool(feats, coords, B, D, H, W):
         """BEVFusion bev_pool: coords (x, y, z, b) -> out[b, :, z, x, y] += feats row."""
@@ -173,19 +221,27 @@ def _install_bevfusion(monkeypatch):
         return out.view(B, D, H, W, -1).permute(0, 4, 1, 2, 3).contiguous()
 
     mods["mmdet3d.ops.bev_pool.bev_pool"].bev_pool = bev_pool
-    mods["mmdet3d.ops.bev_pool"].bev_pool = bev_pool  # package __init__: from .bev_pool import bev_pool
+    mods[
+        "mmdet3d.ops.bev_pool"
+    ].bev_pool = bev_pool  # package __init__: from .bev_pool import bev_pool
     mods["mmdet3d.ops"].bev_pool = bev_pool  # mmdet3d/ops/__init__.py re-export
     mods["mmdet3d.models.vtransforms.base"].bev_pool = bev_pool  # from mmdet3d.ops import bev_pool
-    return types.SimpleNamespace(bev_pool=bev_pool, module=mods["mmdet3d.ops.bev_pool.bev_pool"],
-                                 package=mods["mmdet3d.ops.bev_pool"], ops=mods["mmdet3d.ops"],
-                                 base=mods["mmdet3d.models.vtransforms.base"])
+    return types.SimpleNamespace(
+        bev_pool=bev_pool,
+        module=mods["mmdet3d.ops.bev_pool.bev_pool"],
+        package=mods["mmdet3d.ops.bev_pool"],
+        ops=mods["mmdet3d.ops"],
+        base=mods["mmdet3d.models.vtransforms.base"],
+    )
 
 
 @pytest.fixture
 def upstream(monkeypatch):
-    return types.SimpleNamespace(mmcv=_install_mmcv(monkeypatch),
-                                 bevdet=_install_bevdet(monkeypatch),
-                                 bevfusion=_install_bevfusion(monkeypatch))
+    return types.SimpleNamespace(
+        mmcv=_install_mmcv(monkeypatch),
+        bevdet=_install_bevdet(monkeypatch),
+        bevfusion=_install_bevfusion(monkeypatch),
+    )
 
 
 @pytest.fixture
@@ -210,7 +266,9 @@ def test_default_patcher_is_fresh_and_lists_the_call_sites():
     assert a is not b and {p.name for p in a.patches} == ALL
     a.disable("bevdet.bev_pool_v2")
     assert all(p.enabled for p in b.patches if p.name in ON_BY_DEFAULT)  # no shared state
-    assert not next(p for p in b.patches if p.name == "mmcv.multi_scale_deformable_attn_pytorch").enabled
+    assert not next(
+        p for p in b.patches if p.name == "mmcv.multi_scale_deformable_attn_pytorch"
+    ).enabled
     assert all(p.precheck is not None and p.description for p in default_patches())
 
 
@@ -235,13 +293,18 @@ def test_apply_restore_aliases_and_rebinding(upstream):
     assert results["mmcv.multi_scale_deformable_attn_pytorch"].status == "disabled"
     assert set(results["mmcv.MultiScaleDeformableAttnFunction"].targets) == {
         "mmcv.ops.multi_scale_deform_attn.MultiScaleDeformableAttnFunction",
-        "mmcv.ops.MultiScaleDeformableAttnFunction"}
+        "mmcv.ops.MultiScaleDeformableAttnFunction",
+    }
     assert set(results["bevdet.bev_pool_v2"].targets) == {
         "mmdet3d.ops.bev_pool_v2.bev_pool.bev_pool_v2",
-        "mmdet3d.models.necks.view_transformer.bev_pool_v2"}
+        "mmdet3d.models.necks.view_transformer.bev_pool_v2",
+    }
     assert set(results["bevfusion.bev_pool"].targets) == {
-        "mmdet3d.ops.bev_pool.bev_pool.bev_pool", "mmdet3d.ops.bev_pool.bev_pool",
-        "mmdet3d.ops.bev_pool", "mmdet3d.models.vtransforms.base.bev_pool"}
+        "mmdet3d.ops.bev_pool.bev_pool.bev_pool",
+        "mmdet3d.ops.bev_pool.bev_pool",
+        "mmdet3d.ops.bev_pool",
+        "mmdet3d.models.vtransforms.base.bev_pool",
+    }
     patched_fn = m.module.MultiScaleDeformableAttnFunction
     assert patched_fn is not m.Function and m.ops.MultiScaleDeformableAttnFunction is patched_fn
     assert m.module.multi_scale_deformable_attn_pytorch is m.pytorch  # off by default
@@ -260,8 +323,11 @@ def test_apply_restore_aliases_and_rebinding(upstream):
 
 def test_disable_enable_and_context_manager(upstream):
     m, f = upstream.mmcv, upstream.bevfusion
-    patcher = default_patcher().disable("bevfusion.bev_pool").enable(
-        "mmcv.multi_scale_deformable_attn_pytorch")
+    patcher = (
+        default_patcher()
+        .disable("bevfusion.bev_pool")
+        .enable("mmcv.multi_scale_deformable_attn_pytorch")
+    )
     with patcher:
         results = _status(patcher.results())
         assert results["bevfusion.bev_pool"].status == "disabled"
@@ -274,8 +340,16 @@ def test_disable_enable_and_context_manager(upstream):
 def test_wrong_upstream_signature_is_skipped_with_the_reason(upstream, monkeypatch):
     d, m = upstream.bevdet, upstream.mmcv
 
-    def bev_pool_v2(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape,
-                    interval_lengths, interval_starts):  # swapped: must not be patched
+    def bev_pool_v2(
+        depth,
+        feat,
+        ranks_depth,
+        ranks_feat,
+        ranks_bev,
+        bev_feat_shape,
+        interval_lengths,
+        interval_starts,
+    ):  # swapped: must not be patched
         raise AssertionError("not called")
 
     class OldFunction(torch.autograd.Function):
@@ -285,17 +359,26 @@ def test_wrong_upstream_signature_is_skipped_with_the_reason(upstream, monkeypat
 
     monkeypatch.setattr(d.pool_mod, "bev_pool_v2", bev_pool_v2)
     monkeypatch.setattr(m.module, "MultiScaleDeformableAttnFunction", OldFunction)
-    monkeypatch.setattr(d.LSSViewTransformer, "voxel_pooling_prepare_v2",
-                        lambda self, coor, extra: None)
+    monkeypatch.setattr(
+        d.LSSViewTransformer, "voxel_pooling_prepare_v2", lambda self, coor, extra: None
+    )
     patcher = default_patcher()
     results = _status(patcher.apply())
-    for name, needle in (("bevdet.bev_pool_v2", "interval_lengths, interval_starts"),
-                         ("mmcv.MultiScaleDeformableAttnFunction", "ctx, value, value_spatial_shapes, sampling_locations"),
-                         ("bevdet.voxel_pooling_prepare_v2", "self, coor, extra")):
+    for name, needle in (
+        ("bevdet.bev_pool_v2", "interval_lengths, interval_starts"),
+        (
+            "mmcv.MultiScaleDeformableAttnFunction",
+            "ctx, value, value_spatial_shapes, sampling_locations",
+        ),
+        ("bevdet.voxel_pooling_prepare_v2", "self, coor, extra"),
+    ):
         assert results[name].status == "skipped"
         assert "precheck failed" in results[name].reason and needle in results[name].reason
     assert results["bevfusion.bev_pool"].status == "applied"
-    assert d.pool_mod.bev_pool_v2 is bev_pool_v2 and m.module.MultiScaleDeformableAttnFunction is OldFunction
+    assert (
+        d.pool_mod.bev_pool_v2 is bev_pool_v2
+        and m.module.MultiScaleDeformableAttnFunction is OldFunction
+    )
     patcher.restore()
 
 
@@ -303,14 +386,18 @@ def test_a_second_patcher_does_not_patch_the_replacements(upstream):
     first, second = default_patcher(), default_patcher()
     with first:
         results = _status(second.apply())
-        assert all(results[n].status == "skipped" and "already replaced by muSPACE" in results[n].reason
-                   for n in ON_BY_DEFAULT)
+        assert all(
+            results[n].status == "skipped" and "already replaced by muSPACE" in results[n].reason
+            for n in ON_BY_DEFAULT
+        )
         second.restore()
     assert upstream.bevfusion.ops.bev_pool is upstream.bevfusion.bev_pool
 
 
 def test_missing_alias_is_not_an_error(upstream, monkeypatch):
-    monkeypatch.delattr(upstream.mmcv.ops, "MultiScaleDeformableAttnFunction")  # mmcv.ops without it
+    monkeypatch.delattr(
+        upstream.mmcv.ops, "MultiScaleDeformableAttnFunction"
+    )  # mmcv.ops without it
     with default_patcher() as patcher:
         (r,) = [r for r in patcher.results() if r.name == "mmcv.MultiScaleDeformableAttnFunction"]
         assert r.status == "applied"
@@ -357,7 +444,8 @@ def test_msda_function_casts_like_mmcv_under_amp(upstream):
     want = upstream.mmcv.Function.apply(value, shapes, starts, loc, attn, 64)
     with default_patcher():
         got = sys.modules["mmcv.ops"].MultiScaleDeformableAttnFunction.apply(
-            value, shapes, starts, loc, attn, 64)
+            value, shapes, starts, loc, attn, 64
+        )
     assert got.dtype == torch.float64
     assert_close(got, want, atol=1e-12, rtol=1e-10)
 
@@ -367,7 +455,9 @@ def test_msda_pytorch_path_matches_the_standin(upstream):
     value, shapes, _, loc, attn = (t.detach() for t in _msda_inputs())
     want = m.pytorch(value, shapes, loc, attn)
     with default_patcher().enable("mmcv.multi_scale_deformable_attn_pytorch"):
-        patched = sys.modules["mmcv.ops.multi_scale_deform_attn"].multi_scale_deformable_attn_pytorch
+        patched = sys.modules[
+            "mmcv.ops.multi_scale_deform_attn"
+        ].multi_scale_deformable_attn_pytorch
         got = patched(value, shapes, loc, attn)
         got_list = patched(value, [tuple(hw) for hw in shapes.tolist()], loc, attn)
         again = patched(value, shapes, loc, attn)  # cached start index
@@ -389,8 +479,11 @@ def test_bev_pool_v2_matches_the_standin(upstream):
         got = sys.modules["mmdet3d.ops.bev_pool_v2.bev_pool"].bev_pool_v2(depth, feat, *args)
         got_grads = _grads(got, (depth, feat))
         # int64 ranks and float64 inputs: upstream casts to int32 / float32, so must we
-        got64 = d.vt.bev_pool_v2(depth.double(), feat.double(),
-                                 *(a.long() if isinstance(a, torch.Tensor) else a for a in args))
+        got64 = d.vt.bev_pool_v2(
+            depth.double(),
+            feat.double(),
+            *(a.long() if isinstance(a, torch.Tensor) else a for a in args),
+        )
     B, Z, Y, X, C = g["bev_feat_shape"]
     assert got.shape == (B, C, Z, Y, X) and got.is_contiguous() and got.dtype == torch.float32
     assert got.abs().sum() > 0
@@ -411,8 +504,9 @@ def test_voxel_pooling_prepare_v2_matches_the_standin(upstream):
         none = vt.voxel_pooling_prepare_v2(g["coor"] + 1000.0)
     assert type(got) is tuple and len(got) == 5
     assert none == (None, None, None, None, None)
-    for name, gt, w in zip(("ranks_bev", "ranks_depth", "ranks_feat", "interval_starts",
-                            "interval_lengths"), got, want):
+    for name, gt, w in zip(
+        ("ranks_bev", "ranks_depth", "ranks_feat", "interval_starts", "interval_lengths"), got, want
+    ):
         assert gt.dtype == torch.int32 and gt.is_contiguous(), name
         assert torch.equal(gt, w), name  # both orders are stable: identical, not just equal sets
     assert want[0].numel() > 100 and want[3].numel() > 10  # a real workload
@@ -487,14 +581,23 @@ def test_patched_calls_match_the_standins_on_the_gpu(upstream):
         # the stand-ins' CPU-only helpers are bypassed: every call below is a replacement
         ranks = vt.voxel_pooling_prepare_v2(g["coor"].to(device))
         X, Y, Z = g["config"].grid_size
-        out = d.vt.bev_pool_v2(g["depth"].to(device), feat.to(device).permute(0, 1, 3, 4, 2),
-                               ranks[1], ranks[2], ranks[0], (2, Z, Y, X, feat.shape[2]),
-                               ranks[3], ranks[4])
+        out = d.vt.bev_pool_v2(
+            g["depth"].to(device),
+            feat.to(device).permute(0, 1, 3, 4, 2),
+            ranks[1],
+            ranks[2],
+            ranks[0],
+            (2, Z, Y, X, feat.shape[2]),
+            ranks[3],
+            ranks[4],
+        )
         got_bev = torch.cat(out.unbind(dim=2), 1)
-        got_pool = f.ops.bev_pool(inputs["feats"].to(device), inputs["coords"].to(device),
-                                  *(inputs[k] for k in "BDHW"))
+        got_pool = f.ops.bev_pool(
+            inputs["feats"].to(device), inputs["coords"].to(device), *(inputs[k] for k in "BDHW")
+        )
         got_msda = m.ops.MultiScaleDeformableAttnFunction.apply(
-            *(t.to(device) for t in (value, shapes, starts, loc, attn)), 64)
+            *(t.to(device) for t in (value, shapes, starts, loc, attn)), 64
+        )
     assert_close(got_bev.cpu(), want_bev, **F32)
     assert_close(got_pool.cpu(), want_pool, **F32)
     assert_close(got_msda.cpu(), want_msda, atol=1e-4, rtol=1e-4)  # MSDA self-check tolerance
@@ -514,4 +617,6 @@ def test_operator_matrix_names_every_default_patch_and_recipe():
         listed.update(spec.patches)
         for recipe in spec.recipes:
             assert (root / recipe / "README.md").is_file(), f"{spec.name}: no {recipe}/README.md"
-    assert listed == default_names, f"unlisted {default_names - listed}, unknown {listed - default_names}"
+    assert listed == default_names, (
+        f"unlisted {default_names - listed}, unknown {listed - default_names}"
+    )

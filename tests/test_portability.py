@@ -14,7 +14,9 @@ SOURCES = sorted(p for p in (ROOT / "csrc").rglob("*") if p.suffix in (".mu", ".
 
 VENDOR_NAME = re.compile(r"\b(?:cuda|musa|CUDA|MUSA|cu[A-Z]\w*|mu[A-Z]\w*)\w*")
 FULL_MASK = re.compile(r"0x[fF]{8}\b")
-WARP_32 = re.compile(r"__shfl\w*\s*\([^;]*\b32\s*\)|\b(?:warp_?size|WARP_?SIZE)\s*=\s*32\b|\bwarpSize\b")
+WARP_32 = re.compile(
+    r"__shfl\w*\s*\([^;]*\b32\s*\)|\b(?:warp_?size|WARP_?SIZE)\s*=\s*32\b|\bwarpSize\b"
+)
 DOUBLE = re.compile(r"\bdouble\b|\b\d+\.\d*(?:[eE][-+]?\d+)?(?![fF\w])")
 
 
@@ -39,7 +41,9 @@ def test_no_vendor_names_outside_compat(path):
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
 def test_no_hard_coded_warp_width_or_full_masks(path):
     code = _code(path)
-    assert not FULL_MASK.search(code), f"{path.name}: 0xffffffff lane mask (warps are 128 wide on MUSA)"
+    assert not FULL_MASK.search(code), (
+        f"{path.name}: 0xffffffff lane mask (warps are 128 wide on MUSA)"
+    )
     if path != COMPAT:
         assert not WARP_32.search(code), f"{path.name}: literal warp width; use muspace::kWarpSize"
 
@@ -47,14 +51,18 @@ def test_no_hard_coded_warp_width_or_full_masks(path):
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
 def test_no_double_precision(path):
     hits = DOUBLE.findall(_code(path))
-    assert not hits, f"{path.name}: double precision {hits[:5]} (many MUSA builds lack FP64); " \
-                     "write float literals with an f suffix"
+    assert not hits, (
+        f"{path.name}: double precision {hits[:5]} (many MUSA builds lack FP64); "
+        "write float literals with an f suffix"
+    )
 
 
 def test_rules_catch_violations(tmp_path):
     bad = tmp_path / "bad.mu"
-    bad.write_text('__global__ void k(double* x) { cudaMemcpy(0,0,0,0); '
-                   'x[0] = __shfl_xor_sync(0xffffffff, 1.0, 32); }  // cudaFree is fine here\n')
+    bad.write_text(
+        "__global__ void k(double* x) { cudaMemcpy(0,0,0,0); "
+        "x[0] = __shfl_xor_sync(0xffffffff, 1.0, 32); }  // cudaFree is fine here\n"
+    )
     code = _code(bad)
     assert VENDOR_NAME.findall(code) == ["cudaMemcpy"]
     assert FULL_MASK.search(code) and WARP_32.search(code) and DOUBLE.search(code)

@@ -37,13 +37,15 @@ def test_selfcheck_reports_a_wrong_result(monkeypatch, capsys):
 
 
 def test_module_entry_point_runs():
-    proc = subprocess.run([sys.executable, "-m", "mu_space"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mu_space"], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dispatch report" in proc.stdout and "native_built" in proc.stdout
 
 
 def test_operator_matrix_doc_matches_registry():
     doc = (ROOT / "docs" / "operator_matrix.md").read_text()
-    assert doc == registry.operator_matrix_markdown(), \
+    assert doc == registry.operator_matrix_markdown(), (
         "docs/operator_matrix.md is stale: run `python -m mu_space --operator-matrix > docs/operator_matrix.md`"
+    )

@@ -49,13 +49,13 @@ namespace msda {
 
 // ------------------------------------------------------------------------------ launch policy
 
-constexpr int kMaxLevels = 16;     // the issue asks for 1..8
-constexpr int kMaxHeadDim = 256;   // generic path: kGenericNV channels x a group of <= 32 lanes
+constexpr int kMaxLevels = 16;    // the issue asks for 1..8
+constexpr int kMaxHeadDim = 256;  // generic path: kGenericNV channels x a group of <= 32 lanes
 constexpr int kBlockDefault = 256;
-constexpr int kBlockMax = 512;     // every kernel's __launch_bounds__
-constexpr int kChunk = 4;          // samples per step: vector loads of 4 locations / weights and
-                                   // the 16-value reduce-scatter of the backward
-constexpr int kGenericNV = 8;      // channels per lane on the any-head_dim path (VEC = 1)
+constexpr int kBlockMax = 512;  // every kernel's __launch_bounds__
+constexpr int kChunk = 4;       // samples per step: vector loads of 4 locations / weights and
+                                // the 16-value reduce-scatter of the backward
+constexpr int kGenericNV = 8;   // channels per lane on the any-head_dim path (VEC = 1)
 constexpr int kFillBlock = 256;
 constexpr int64_t kMaxPointsPerQuery = 1 << 20;  // levels * points, keeps index math in int32
 
@@ -251,7 +251,9 @@ constexpr int samples_in_flight() {
 // where a sample's corners take more than 8 registers of raw data.
 template <typename T, int VEC, int NV>
 constexpr int backward_samples_in_flight() {
-  return 4 * NV * RawVec<T, VEC>::kWords <= 8 ? kChunk : samples_in_flight<T, VEC, NV>() / 2 > 1 ? 2 : 1;
+  return 4 * NV * RawVec<T, VEC>::kWords <= 8      ? kChunk
+         : samples_in_flight<T, VEC, NV>() / 2 > 1 ? 2
+                                                   : 1;
 }
 
 // a[i] for a run-time i without local memory (a select chain over the unrolled indices).
@@ -278,7 +280,8 @@ struct Level {
 };
 
 __device__ __forceinline__ int64_t read_index(const void* p, bool is_i64, int64_t i) {
-  return is_i64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+  return is_i64 ? static_cast<const int64_t*>(p)[i]
+                : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
 // Fills levels[0..L) from the device tensors and synchronises the block. A level is kept only
@@ -305,11 +308,11 @@ __device__ __forceinline__ void load_levels(Level* levels, const void* shapes, b
 
 // Corner order: 0 = (y0, x0), 1 = (y0, x0 + 1), 2 = (y0 + 1, x0), 3 = (y0 + 1, x0 + 1).
 struct Bilinear {
-  bool inside;     // upstream's -1 < y < H && -1 < x < W test
-  int y0, x0;      // floor of the pixel coordinates (valid only when inside)
-  float ly, lx;    // fractional parts
-  int key[4];      // key index of each corner inside value (the level start for a corner outside)
-  float cw[4];     // bilinear weight of each corner, 0 for a corner outside the level
+  bool inside;   // upstream's -1 < y < H && -1 < x < W test
+  int y0, x0;    // floor of the pixel coordinates (valid only when inside)
+  float ly, lx;  // fractional parts
+  int key[4];    // key index of each corner inside value (the level start for a corner outside)
+  float cw[4];   // bilinear weight of each corner, 0 for a corner outside the level
   bool valid[4];
 };
 
@@ -379,7 +382,8 @@ __device__ __forceinline__ Gather gather_setup(float x, float y, float a, const 
   const float cw[4] = {ah * hx, ah * lx, al * hx, al * lx};
 #pragma unroll
   for (int k = 0; k < 4; ++k) s.cw[k] = s.valid[k] ? cw[k] : 0.0f;
-  s.key0 = static_cast<uint32_t>(lv.start) + static_cast<uint32_t>(y0) * w + static_cast<uint32_t>(x0);
+  s.key0 =
+      static_cast<uint32_t>(lv.start) + static_cast<uint32_t>(y0) * w + static_cast<uint32_t>(x0);
   s.w = w;
   return s;
 }
@@ -439,7 +443,7 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ loc, const T* _
 struct Dims {
   int64_t groups;  // bs * Q * heads
   int Q, heads, D, K, L, P, LP;
-  int log2g;       // lanes per group = 1 << log2g
+  int log2g;  // lanes per group = 1 << log2g
 };
 
 // Next (point, level) of the flattened levels x points walk; the level stays in [0, L) (samples
@@ -482,7 +486,8 @@ __global__ void __launch_bounds__(kBlockMax, 1)
   load_levels(levels, shapes, shapes_i64, starts, starts_i64, d.L, d.K);
   const int G = 1 << d.log2g;
   const int64_t total = d.groups << d.log2g;
-  const uint32_t row_bytes = static_cast<uint32_t>(d.heads * d.D) * static_cast<uint32_t>(sizeof(T));
+  const uint32_t row_bytes =
+      static_cast<uint32_t>(d.heads * d.D) * static_cast<uint32_t>(sizeof(T));
   // Groups of >= 4 lanes share the per-sample setup: lane i of a group sets up sample i of each
   // chunk and the group reads the result by shuffles (6 per sample) instead of every lane
   // repeating the ~50-instruction setup. All lanes of a warp run every shuffle (lanes past the
@@ -522,7 +527,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
       constexpr bool kShare = decltype(share_tag)::value;
       // Locations and weights (x[0], y[0], w[0] only with kShare: this lane's own sample), the
       // next chunk's loaded while this chunk's corners are in flight.
-      auto load_meta = [&](int s0, float (&x)[kChunk], float (&y)[kChunk], float (&w)[kChunk]) {
+      auto load_meta = [&](int s0, float(&x)[kChunk], float(&y)[kChunk], float(&w)[kChunk]) {
         if constexpr (kShare) {
           const int i = s0 + mine;
           const bool in = active && i < d.LP;
@@ -549,7 +554,8 @@ __global__ void __launch_bounds__(kBlockMax, 1)
         if constexpr (kShare) {
           // The level of sample s0 + mine: (l, p) is sample s0's; at most 4 steps.
           int lv_mine = l;
-          for (int q = p + mine; q >= d.P; q -= d.P) lv_mine = lv_mine + 1 < d.L ? lv_mine + 1 : lv_mine;
+          for (int q = p + mine; q >= d.P; q -= d.P)
+            lv_mine = lv_mine + 1 < d.L ? lv_mine + 1 : lv_mine;
           my = gather_setup(x[0], y[0], w[0], levels[lv_mine]);
 #pragma unroll
           for (int c = 0; c < 4; ++c) my_mask |= my.valid[c] ? 1u << c : 0u;
@@ -687,12 +693,11 @@ __device__ __forceinline__ void put_int(int (&a)[kChunk], int i, int v) {
 // that contribute nothing) and grad_value is left to the gather kernel.
 template <typename T, int VEC, int NV, bool kMerge>
 __global__ void __launch_bounds__(kBlockMax, 1)
-    backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ value,
-                    const void* shapes, bool shapes_i64, const void* starts, bool starts_i64,
-                    const T* __restrict__ loc, const T* __restrict__ attn,
-                    float* __restrict__ gacc, T* __restrict__ grad_loc,
-                    T* __restrict__ grad_attn, void* keys, bool keys_i64, int64_t key_space,
-                    Dims d, bool vec_meta) {
+    backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ value, const void* shapes,
+                    bool shapes_i64, const void* starts, bool starts_i64, const T* __restrict__ loc,
+                    const T* __restrict__ attn, float* __restrict__ gacc, T* __restrict__ grad_loc,
+                    T* __restrict__ grad_attn, void* keys, bool keys_i64, int64_t key_space, Dims d,
+                    bool vec_meta) {
   constexpr int SB = backward_samples_in_flight<T, VEC, NV>();
   constexpr bool kPrefetch = prefetch_meta<T, VEC, NV>() && !kMerge;  // registers
   static_assert(kChunk % SB == 0, "samples in flight must divide the chunk");
@@ -775,7 +780,8 @@ __global__ void __launch_bounds__(kBlockMax, 1)
           float v[AV];
 #pragma unroll
           for (int e = 0; e < AV; ++e) v[e] = s.cw[c] * goa[a][e];
-          if (s.valid[c] && achok[a]) atomic_add_scaled<AV>(byte_offset(arow, ofs) + ach[a], 1.0f, v);
+          if (s.valid[c] && achok[a])
+            atomic_add_scaled<AV>(byte_offset(arow, ofs) + ach[a], 1.0f, v);
         }
       }
     };
@@ -813,7 +819,8 @@ __global__ void __launch_bounds__(kBlockMax, 1)
 #pragma unroll
         for (int j = 0; j < SB; ++j) {
           put_int(lvl, i0 + j, l);
-          const Gather s = gather_setup(pick(x, i0 + j), pick(y, i0 + j), pick(w, i0 + j), levels[l]);
+          const Gather s =
+              gather_setup(pick(x, i0 + j), pick(y, i0 + j), pick(w, i0 + j), levels[l]);
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
             const uint64_t ofs = corner_offset(s, c, row_bytes);
@@ -890,7 +897,8 @@ __global__ void __launch_bounds__(kBlockMax, 1)
           const Level lv = levels[ls];
           const Bilinear s = bilinear(pick(x, si), pick(y, si), lv);
           const float ws = pick(w, si);
-          const float d0 = dots[4 * j], d1 = dots[4 * j + 1], d2 = dots[4 * j + 2], d3 = dots[4 * j + 3];
+          const float d0 = dots[4 * j], d1 = dots[4 * j + 1], d2 = dots[4 * j + 2],
+                      d3 = dots[4 * j + 3];
           float ga = 0.0f, gx = 0.0f, gy = 0.0f;
           if (s.inside) {
             const float hy = 1.0f - s.ly, hx = 1.0f - s.lx;
@@ -1051,7 +1059,8 @@ __global__ void __launch_bounds__(kFillBlock)
     cast_kernel(const float* __restrict__ src, T* __restrict__ dst, int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool vec = reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0;
+  const bool vec =
+      reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0;
   const int64_t n4 = vec ? n / 4 : 0;
   for (int64_t i = start; i < n4; i += stride) {
     float v[4];
@@ -1071,9 +1080,11 @@ DType dtype_of(const TensorView& t, const char* name) {
   if (same_dtype(dt, kFloat16)) return DType::kF16;
 #if MUSPACE_HAS_BF16
   if (same_dtype(dt, kBFloat16)) return DType::kBF16;
-  TVM_FFI_THROW(TypeError) << name << " must be float32, float16 or bfloat16, got " << dtype_name(dt);
+  TVM_FFI_THROW(TypeError) << name << " must be float32, float16 or bfloat16, got "
+                           << dtype_name(dt);
 #else
-  TVM_FFI_THROW(TypeError) << name << " must be float32 or float16 (this build has no bfloat16), got "
+  TVM_FFI_THROW(TypeError) << name
+                           << " must be float32 or float16 (this build has no bfloat16), got "
                            << dtype_name(dt);
 #endif
   return DType::kF32;
@@ -1167,12 +1178,16 @@ void dispatch_config(const Config& c, Fn& fn) {
 template <typename Fn>
 void dispatch(DType dt, const Config& c, Fn& fn) {
   switch (dt) {
-    case DType::kF32: return dispatch_config<float>(c, fn);
-    case DType::kF16: return dispatch_config<half>(c, fn);
+    case DType::kF32:
+      return dispatch_config<float>(c, fn);
+    case DType::kF16:
+      return dispatch_config<half>(c, fn);
 #if MUSPACE_HAS_BF16
-    case DType::kBF16: return dispatch_config<bfloat16>(c, fn);
+    case DType::kBF16:
+      return dispatch_config<bfloat16>(c, fn);
 #endif
-    default: TVM_FFI_ICHECK(false) << "unsupported dtype";
+    default:
+      TVM_FFI_ICHECK(false) << "unsupported dtype";
   }
 }
 
@@ -1217,12 +1232,15 @@ Dims check_problem(const TensorView& value, const TensorView& shapes, const Tens
                               << "], got " << D;
   }
   if (P < 1 || L * P > kMaxPointsPerQuery) {
-    TVM_FFI_THROW(ValueError) << "num_points (sampling_locations.shape[4]) must be >= 1 with levels * "
-                                 "points <= " << kMaxPointsPerQuery << ", got " << P;
+    TVM_FFI_THROW(ValueError)
+        << "num_points (sampling_locations.shape[4]) must be >= 1 with levels * "
+           "points <= "
+        << kMaxPointsPerQuery << ", got " << P;
   }
   constexpr int64_t kI32 = 0x7fffffff;
   if (K >= kI32 || Q >= kI32 || heads >= kI32 || bs >= kI32) {
-    TVM_FFI_THROW(ValueError) << "batch, num_keys, num_queries and num_heads must each be < 2^31 - 1";
+    TVM_FFI_THROW(ValueError)
+        << "batch, num_keys, num_queries and num_heads must each be < 2^31 - 1";
   }
   Dims d;
   d.groups = bs * Q * heads;
@@ -1328,7 +1346,8 @@ bool is_i64(const TensorView& t) { return same_dtype(t.dtype(), kInt64); }
 // out[bs, Q, heads * D] (pre-allocated, value's dtype) = MSDA(value, ...). channels_per_thread
 // (0 = default) and block_threads (0 = default) are profiling knobs.
 void multi_scale_deformable_attn_forward(TensorView value, TensorView spatial_shapes,
-                                         TensorView level_start_index, TensorView sampling_locations,
+                                         TensorView level_start_index,
+                                         TensorView sampling_locations,
                                          TensorView attention_weights, TensorView out,
                                          int64_t channels_per_thread, int64_t block_threads_req,
                                          int64_t stream) {
@@ -1347,12 +1366,19 @@ void multi_scale_deformable_attn_forward(TensorView value, TensorView spatial_sh
                                    [&](int b) { return aligned(value, b) && aligned(out, b); });
   d.log2g = cfg.log2g;
   DeviceGuard guard(value.device().device_id);
-  ForwardLaunch launch{ptr_of<const void>(value), ptr_of<const void>(spatial_shapes),
-                       ptr_of<const void>(level_start_index), ptr_of<const void>(sampling_locations),
-                       ptr_of<const void>(attention_weights), ptr_of<void>(out),
-                       is_i64(spatial_shapes), is_i64(level_start_index),
-                       meta_vectorizable(d, sampling_locations, attention_weights), d,
-                       grid_for(d.groups << d.log2g, block), block, as_stream(stream)};
+  ForwardLaunch launch{ptr_of<const void>(value),
+                       ptr_of<const void>(spatial_shapes),
+                       ptr_of<const void>(level_start_index),
+                       ptr_of<const void>(sampling_locations),
+                       ptr_of<const void>(attention_weights),
+                       ptr_of<void>(out),
+                       is_i64(spatial_shapes),
+                       is_i64(level_start_index),
+                       meta_vectorizable(d, sampling_locations, attention_weights),
+                       d,
+                       grid_for(d.groups << d.log2g, block),
+                       block,
+                       as_stream(stream)};
   dispatch(dt, cfg, launch);
 }
 
@@ -1389,7 +1415,8 @@ void multi_scale_deformable_attn_backward(
   const int size = elem_size(dt);
   if (mode < 0 || mode > 2) {
     TVM_FFI_THROW(ValueError) << "mode must be 0 (atomics), 1 (deterministic) or 2 (atomics, "
-                                 "merged corners), got " << mode;
+                                 "merged corners), got "
+                              << mode;
   }
   const bool det = mode == 1;
   const bool use_workspace = !det && dt != DType::kF32;
@@ -1400,8 +1427,7 @@ void multi_scale_deformable_attn_backward(
                                 << " elements (value.numel()), got " << workspace.numel();
     }
   }
-  const int64_t key_space =
-      value.size(0) * d.heads * (3 * static_cast<int64_t>(d.K) + 2 * d.L);
+  const int64_t key_space = value.size(0) * d.heads * (3 * static_cast<int64_t>(d.K) + 2 * d.L);
   if (det) {
     check_index_tensor(keys, "keys", value);
     if (keys.numel() != d.groups * d.LP) {
@@ -1410,12 +1436,14 @@ void multi_scale_deformable_attn_backward(
     }
     if (!is_i64(keys) && key_space >= 0x7fffffff) {
       TVM_FFI_THROW(ValueError) << "keys must be int64 when batch * heads * (3 * num_keys + 2 * "
-                                   "levels) >= 2^31 - 1, got int32 for " << key_space;
+                                   "levels) >= 2^31 - 1, got int32 for "
+                                << key_space;
     }
   }
   // Every store of grad_sampling_locations is an (x, y) pair.
   if (!aligned(grad_sampling_locations, 2 * size)) {
-    TVM_FFI_THROW(ValueError) << "grad_sampling_locations must be aligned to " << 2 * size << " bytes";
+    TVM_FFI_THROW(ValueError) << "grad_sampling_locations must be aligned to " << 2 * size
+                              << " bytes";
   }
   DeviceGuard guard(value.device().device_id);
   const int device_id = value.device().device_id;
@@ -1433,15 +1461,26 @@ void multi_scale_deformable_attn_backward(
              (det || reinterpret_cast<uintptr_t>(gacc) % acc_bytes == 0);
     });
     d.log2g = cfg.log2g;
-    BackwardLaunch launch{ptr_of<const void>(grad_output), ptr_of<const void>(value),
-                          ptr_of<const void>(spatial_shapes), ptr_of<const void>(level_start_index),
+    BackwardLaunch launch{ptr_of<const void>(grad_output),
+                          ptr_of<const void>(value),
+                          ptr_of<const void>(spatial_shapes),
+                          ptr_of<const void>(level_start_index),
                           ptr_of<const void>(sampling_locations),
-                          ptr_of<const void>(attention_weights), gacc,
-                          ptr_of<void>(grad_sampling_locations), ptr_of<void>(grad_attention_weights),
-                          det ? ptr_of<void>(keys) : nullptr, det && is_i64(keys), key_space,
-                          is_i64(spatial_shapes), is_i64(level_start_index),
+                          ptr_of<const void>(attention_weights),
+                          gacc,
+                          ptr_of<void>(grad_sampling_locations),
+                          ptr_of<void>(grad_attention_weights),
+                          det ? ptr_of<void>(keys) : nullptr,
+                          det && is_i64(keys),
+                          key_space,
+                          is_i64(spatial_shapes),
+                          is_i64(level_start_index),
                           meta_vectorizable(d, sampling_locations, attention_weights),
-                          mode == 2, d, grid_for(d.groups << d.log2g, block), block, s};
+                          mode == 2,
+                          d,
+                          grid_for(d.groups << d.log2g, block),
+                          block,
+                          s};
     dispatch(dt, cfg, launch);
   }
   if (use_workspace && n_value > 0) {
@@ -1451,7 +1490,8 @@ void multi_scale_deformable_attn_backward(
     }
 #if MUSPACE_HAS_BF16
     if (dt == DType::kBF16) {
-      cast_kernel<bfloat16><<<grid, kFillBlock, 0, s>>>(gacc, ptr_of<bfloat16>(grad_value), n_value);
+      cast_kernel<bfloat16>
+          <<<grid, kFillBlock, 0, s>>>(gacc, ptr_of<bfloat16>(grad_value), n_value);
     }
 #endif
     check_launch("multi_scale_deformable_attn cast_kernel");
@@ -1502,12 +1542,22 @@ void multi_scale_deformable_attn_backward_value_deterministic(
   });
   d.log2g = cfg.log2g;
   const int64_t rows = value.size(0) * d.K * d.heads;
-  GatherLaunch launch{ptr_of<const void>(grad_output), ptr_of<const void>(spatial_shapes),
-                      ptr_of<const void>(level_start_index), ptr_of<const void>(sampling_locations),
-                      ptr_of<const void>(attention_weights), ptr_of<const int64_t>(perm),
-                      ptr_of<const int64_t>(cell_start), n_samples, ptr_of<void>(grad_value),
-                      static_cast<int>(value.size(0)), is_i64(spatial_shapes),
-                      is_i64(level_start_index), d, grid_for(rows << d.log2g, block), block, s};
+  GatherLaunch launch{ptr_of<const void>(grad_output),
+                      ptr_of<const void>(spatial_shapes),
+                      ptr_of<const void>(level_start_index),
+                      ptr_of<const void>(sampling_locations),
+                      ptr_of<const void>(attention_weights),
+                      ptr_of<const int64_t>(perm),
+                      ptr_of<const int64_t>(cell_start),
+                      n_samples,
+                      ptr_of<void>(grad_value),
+                      static_cast<int>(value.size(0)),
+                      is_i64(spatial_shapes),
+                      is_i64(level_start_index),
+                      d,
+                      grid_for(rows << d.log2g, block),
+                      block,
+                      s};
   dispatch(dt, cfg, launch);
 }
 
@@ -1521,7 +1571,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(multi_scale_deformable_attn_forward,
                               muspace::msda::multi_scale_deformable_attn_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(multi_scale_deformable_attn_backward,
                               muspace::msda::multi_scale_deformable_attn_backward);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(multi_scale_deformable_attn_backward_value_deterministic,
-                              muspace::msda::multi_scale_deformable_attn_backward_value_deterministic);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(
+    multi_scale_deformable_attn_backward_value_deterministic,
+    muspace::msda::multi_scale_deformable_attn_backward_value_deterministic);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(multi_scale_deformable_attn_has_bf16,
                               muspace::msda::multi_scale_deformable_attn_has_bf16);

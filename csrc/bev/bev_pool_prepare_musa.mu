@@ -49,19 +49,19 @@ namespace {
 
 // ------------------------------------------------------------------------- launch policy
 
-constexpr int kBlock = 256;            // threads per block of the per-point kernels
-constexpr int kBlocksPerSm = 8;        // grid cap of the grid-stride kernels, per multiprocessor
-constexpr int kScanBlock = 256;        // threads of the cell scan
-constexpr int kScanItems = 8;          // consecutive cells per scan thread
+constexpr int kBlock = 256;      // threads per block of the per-point kernels
+constexpr int kBlocksPerSm = 8;  // grid cap of the grid-stride kernels, per multiprocessor
+constexpr int kScanBlock = 256;  // threads of the cell scan
+constexpr int kScanItems = 8;    // consecutive cells per scan thread
 constexpr int kScanTile = kScanBlock * kScanItems;  // cells per scan tile (2048)
-constexpr int kLookBack = 32;          // predecessor tile states read per look-back round
-constexpr int32_t kCountMax = 256;     // longest segment ranked by counting; longer: block sort
-constexpr int32_t kSortChunk = 2048;   // keys a block sorts in shared memory (8 KB)
+constexpr int kLookBack = 32;         // predecessor tile states read per look-back round
+constexpr int32_t kCountMax = 256;    // longest segment ranked by counting; longer: block sort
+constexpr int32_t kSortChunk = 2048;  // keys a block sorts in shared memory (8 KB)
 // Points of the short segments that cover kBlock consecutive positions: the positions plus at
 // most kCountMax - 1 on either side.
 constexpr int32_t kWindow = kBlock + 2 * (kCountMax - 1);
 static_assert(kWindow <= kSortChunk, "the window shares the sort buffer");
-constexpr int kLongBlocksPerSm = 2;    // blocks sorting long segments (idle ones exit at once)
+constexpr int kLongBlocksPerSm = 2;     // blocks sorting long segments (idle ones exit at once)
 constexpr int kHashSlots = 2 * kBlock;  // block-aggregated histogram: open addressing, load <= 1/2
 static_assert((kHashSlots & (kHashSlots - 1)) == 0, "power of two");
 
@@ -75,11 +75,11 @@ constexpr int64_t kPolicyAggregate = 8;  // block-aggregated histogram atomics
 constexpr int64_t kAllFlags = 15;
 
 // Workspace header (int32 slots).
-constexpr int kNKept = 0;         // written by the last scan tile; read back by the caller
-constexpr int kNIntervals = 1;    // idem
-constexpr int kTileCounter = 2;   // dynamic scan tile ids (zero region, reset by the scan)
-constexpr int kTilesDone = 3;     // scan tiles finished (zero region, reset by the scan)
-constexpr int kLongCount = 4;     // entries in long_list: zeroed by the scan, counted by scatter
+constexpr int kNKept = 0;        // written by the last scan tile; read back by the caller
+constexpr int kNIntervals = 1;   // idem
+constexpr int kTileCounter = 2;  // dynamic scan tile ids (zero region, reset by the scan)
+constexpr int kTilesDone = 3;    // scan tiles finished (zero region, reset by the scan)
+constexpr int kLongCount = 4;    // entries in long_list: zeroed by the scan, counted by scatter
 constexpr int64_t kHeaderInts = 8;
 
 constexpr int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
@@ -203,9 +203,12 @@ struct FrustumCells {
 
   __device__ __forceinline__ int32_t operator()(int64_t i) const {
     const typename Coord::Storage* p = coor + 3 * i;
-    const int32_t cx = axis_cell<Coord>(Coord::load(p), grid.lower[0], grid.interval[0], grid.size[0]);
-    const int32_t cy = axis_cell<Coord>(Coord::load(p + 1), grid.lower[1], grid.interval[1], grid.size[1]);
-    const int32_t cz = axis_cell<Coord>(Coord::load(p + 2), grid.lower[2], grid.interval[2], grid.size[2]);
+    const int32_t cx =
+        axis_cell<Coord>(Coord::load(p), grid.lower[0], grid.interval[0], grid.size[0]);
+    const int32_t cy =
+        axis_cell<Coord>(Coord::load(p + 1), grid.lower[1], grid.interval[1], grid.size[1]);
+    const int32_t cz =
+        axis_cell<Coord>(Coord::load(p + 2), grid.lower[2], grid.interval[2], grid.size[2]);
     if (cx < 0 || cy < 0 || cz < 0) return -1;
     const int32_t b = static_cast<int32_t>(i) / points_per_batch;
     // Every partial product is below B*Z*Y*X <= INT32_MAX (checked on the host).
@@ -232,9 +235,8 @@ __device__ __forceinline__ int32_t hash_slot(int32_t cell) {
 
 // cs[i] = (cell, slot) for every point; hist[cell] counts the points of each cell.
 template <bool kAggregate, typename CellFn>
-__global__ void __launch_bounds__(kBlock) cells_kernel(CellFn cells, int64_t n,
-                                                       int32_t* __restrict__ hist,
-                                                       int2* __restrict__ cs) {
+__global__ void __launch_bounds__(kBlock)
+    cells_kernel(CellFn cells, int64_t n, int32_t* __restrict__ hist, int2* __restrict__ cs) {
   const CellFn cell_of = cells.on_device();
   if constexpr (!kAggregate) {
     for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
@@ -315,11 +317,11 @@ __device__ __forceinline__ Pair status_value(unsigned long long s) {
   return pack_pair(static_cast<int32_t>(s & kLow31), static_cast<int32_t>((s >> 31) & kLow31));
 }
 
-__global__ void __launch_bounds__(kScanBlock) scan_kernel(
-    int32_t* hist, int32_t n_cells, int32_t n_tiles, int32_t* header, unsigned long long* status,
-    int32_t* __restrict__ starts, int32_t* __restrict__ iv_starts,
-    int32_t* __restrict__ iv_lengths, int32_t iv_capacity, int32_t* host_counts,
-    int32_t sequence) {
+__global__ void __launch_bounds__(kScanBlock)
+    scan_kernel(int32_t* hist, int32_t n_cells, int32_t n_tiles, int32_t* header,
+                unsigned long long* status, int32_t* __restrict__ starts,
+                int32_t* __restrict__ iv_starts, int32_t* __restrict__ iv_lengths,
+                int32_t iv_capacity, int32_t* host_counts, int32_t sequence) {
   __shared__ Pair s_scan[kScanBlock];
   __shared__ unsigned long long s_window[kLookBack];
   __shared__ Pair s_prefix;
@@ -331,7 +333,8 @@ __global__ void __launch_bounds__(kScanBlock) scan_kernel(
   if (tile >= n_tiles) return;  // block-uniform; cannot happen with grid == n_tiles
   if (tile == 0 && tid == 0) header[kLongCount] = 0;  // counted by scatter, after this kernel
 
-  const int64_t first = static_cast<int64_t>(tile) * kScanTile + static_cast<int64_t>(tid) * kScanItems;
+  const int64_t first =
+      static_cast<int64_t>(tile) * kScanTile + static_cast<int64_t>(tid) * kScanItems;
   int32_t count[kScanItems];
   Pair local = 0;
 #pragma unroll
@@ -456,10 +459,10 @@ __global__ void __launch_bounds__(kScanBlock) scan_kernel(
 
 // ------------------------------------------------------------------------- 3. scatter
 
-__global__ void __launch_bounds__(kBlock) scatter_kernel(
-    const int2* __restrict__ cs, const int32_t* __restrict__ starts, int64_t n, int32_t n_cells,
-    int32_t* __restrict__ seg, int4* __restrict__ meta, int32_t* header,
-    int32_t* __restrict__ long_list, int32_t long_capacity) {
+__global__ void __launch_bounds__(kBlock)
+    scatter_kernel(const int2* __restrict__ cs, const int32_t* __restrict__ starts, int64_t n,
+                   int32_t n_cells, int32_t* __restrict__ seg, int4* __restrict__ meta,
+                   int32_t* header, int32_t* __restrict__ long_list, int32_t long_capacity) {
   for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
     const int2 v = cs[i];
     const int32_t c = v.x, s = v.y;
@@ -524,7 +527,10 @@ __device__ __forceinline__ int32_t lower_bound(const int32_t* src, int32_t len, 
   int32_t lo = 0, hi = len;
   while (lo < hi) {
     const int32_t mid = lo + ((hi - lo) >> 1);
-    if (src[mid] < x) lo = mid + 1; else hi = mid;
+    if (src[mid] < x)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -540,11 +546,13 @@ __device__ void sort_long_segment(const int32_t* seg, int32_t len, int32_t pos0,
     const int32_t clen = imin(kSortChunk, len - c0);
     int32_t size = 1;
     while (size < clen) size <<= 1;
-    for (int32_t t = threadIdx.x; t < size; t += blockDim.x) s_keys[t] = t < clen ? seg[c0 + t] : kPad;
+    for (int32_t t = threadIdx.x; t < size; t += blockDim.x)
+      s_keys[t] = t < clen ? seg[c0 + t] : kPad;
     __syncthreads();
     bitonic_sort(s_keys, size);
     if (len <= kSortChunk) {  // one chunk: it is the whole segment
-      for (int32_t t = threadIdx.x; t < clen; t += blockDim.x) emit<kPrepare>(out, pos0 + t, s_keys[t], cell);
+      for (int32_t t = threadIdx.x; t < clen; t += blockDim.x)
+        emit<kPrepare>(out, pos0 + t, s_keys[t], cell);
     } else {
       for (int32_t t = threadIdx.x; t < clen; t += blockDim.x) scratch_a[c0 + t] = s_keys[t];
     }
@@ -574,7 +582,8 @@ __device__ void sort_long_segment(const int32_t* seg, int32_t len, int32_t pos0,
     src = dst;
     dst = tmp;
   }
-  for (int32_t t = threadIdx.x; t < len; t += blockDim.x) emit<kPrepare>(out, pos0 + t, src[t], cell);
+  for (int32_t t = threadIdx.x; t < len; t += blockDim.x)
+    emit<kPrepare>(out, pos0 + t, src[t], cell);
   __syncthreads();
 }
 
@@ -582,11 +591,11 @@ __device__ void sort_long_segment(const int32_t* seg, int32_t len, int32_t pos0,
 // take kBlock consecutive positions each and rank the points of the short segments there. Both
 // read seg / meta and write disjoint output ranges; seg and meta are never written here.
 template <bool kPrepare>
-__global__ void __launch_bounds__(kBlock) emit_kernel(
-    const int32_t* __restrict__ seg, const int4* __restrict__ meta,
-    const int32_t* __restrict__ starts, const int32_t* __restrict__ header,
-    const int32_t* __restrict__ long_list, int32_t long_capacity, int32_t* scratch_a,
-    int32_t* scratch_b, int32_t n, int32_t n_cells, int32_t long_blocks, Emit out) {
+__global__ void __launch_bounds__(kBlock)
+    emit_kernel(const int32_t* __restrict__ seg, const int4* __restrict__ meta,
+                const int32_t* __restrict__ starts, const int32_t* __restrict__ header,
+                const int32_t* __restrict__ long_list, int32_t long_capacity, int32_t* scratch_a,
+                int32_t* scratch_b, int32_t n, int32_t n_cells, int32_t long_blocks, Emit out) {
   __shared__ int32_t s_buf[kSortChunk];  // long: the bitonic keys; short: the segment window
   __shared__ int32_t s_lo, s_hi;
   const int32_t n_kept = imin(header[kNKept], n);
@@ -742,23 +751,24 @@ struct Pipeline {
         cs(), at(layout.starts), n, n_cells, at(layout.seg), meta, ws, at(layout.long_list),
         static_cast<int32_t>(layout.long_capacity));
     check_launch("bev_pool_prepare scatter_kernel");
-    const int64_t long_cap = static_cast<int64_t>(multiprocessor_count(device_id)) * kLongBlocksPerSm;
+    const int64_t long_cap =
+        static_cast<int64_t>(multiprocessor_count(device_id)) * kLongBlocksPerSm;
     const int32_t long_blocks =
         static_cast<int32_t>(layout.long_capacity < long_cap ? layout.long_capacity : long_cap);
     const int blocks = long_blocks + grid_for(n, device_id);
     int32_t* scratch = at(layout.cs);  // cs is dead after the scatter: 2n ints of scratch
     emit_kernel<kPrepare><<<blocks, kBlock, 0, stream>>>(
         at(layout.seg), meta, at(layout.starts), ws, at(layout.long_list),
-        static_cast<int32_t>(layout.long_capacity), scratch, scratch + n, n32, n_cells,
-        long_blocks, out);
+        static_cast<int32_t>(layout.long_capacity), scratch, scratch + n, n32, n_cells, long_blocks,
+        out);
     check_launch("bev_pool_prepare emit_kernel");
   }
 };
 
 int64_t checked_cells(int64_t batch, int64_t x, int64_t y, int64_t z) {
   if (x <= 0 || y <= 0 || z <= 0) {
-    TVM_FFI_THROW(ValueError) << "grid_size must be positive, got (" << x << ", " << y << ", "
-                              << z << ")";
+    TVM_FFI_THROW(ValueError) << "grid_size must be positive, got (" << x << ", " << y << ", " << z
+                              << ")";
   }
   int64_t cells = batch;
   for (int64_t f : {x, y, z}) {
@@ -806,8 +816,8 @@ void bev_pool_prepare_forward(TensorView coor, TensorView workspace, TensorView 
                               TensorView interval_starts, TensorView interval_lengths,
                               float lower_x, float lower_y, float lower_z, float interval_x,
                               float interval_y, float interval_z, int64_t grid_x, int64_t grid_y,
-                              int64_t grid_z, int64_t flags, int64_t host_counts,
-                              int64_t sequence, int64_t stream) {
+                              int64_t grid_z, int64_t flags, int64_t host_counts, int64_t sequence,
+                              int64_t stream) {
   check_gpu_tensor(coor, "coor");
   const DLDataType dt = coor.dtype();
   if (!same_dtype(dt, kFloat32) && !same_dtype(dt, kFloat16) && !same_dtype(dt, kBFloat16)) {
@@ -846,8 +856,9 @@ void bev_pool_prepare_forward(TensorView coor, TensorView workspace, TensorView 
 
   const int device_id = coor.device().device_id;
   DeviceGuard guard(device_id);
-  const Pipeline pipe{layout, static_cast<int32_t*>(workspace.data_ptr()), n,
-                      static_cast<int32_t>(n_cells), device_id, as_stream(stream)};
+  const Pipeline pipe{layout,    static_cast<int32_t*>(workspace.data_ptr()),
+                      n,         static_cast<int32_t>(n_cells),
+                      device_id, as_stream(stream)};
   if (flags & kStageCount) {
     Grid grid;
     for (int a = 0; a < 3; ++a) {
@@ -917,8 +928,9 @@ void sort_by_cell_forward(TensorView cell, TensorView workspace, TensorView orde
 
   const int device_id = cell.device().device_id;
   DeviceGuard guard(device_id);
-  const Pipeline pipe{layout, static_cast<int32_t*>(workspace.data_ptr()), n,
-                      static_cast<int32_t>(n_cells), device_id, as_stream(stream)};
+  const Pipeline pipe{layout,    static_cast<int32_t*>(workspace.data_ptr()),
+                      n,         static_cast<int32_t>(n_cells),
+                      device_id, as_stream(stream)};
   if (flags & kStageCount) {
     int32_t* iv_s = static_cast<int32_t*>(interval_starts.data_ptr());
     int32_t* iv_l = static_cast<int32_t*>(interval_lengths.data_ptr());

@@ -66,19 +66,19 @@ using tvm::ffi::Optional;
 
 // ------------------------------------------------------------------------------- launch policy
 
-constexpr int kThreads = 256;          // every kernel of this file
+constexpr int kThreads = 256;  // every kernel of this file
 static_assert(kThreads % kWarpSize == 0, "blocks are whole warps");
 // Launch bounds (ptxas -v, sm_90a): the forward fits 64 registers without spill (1024 threads per
 // SM; the 16-bit deterministic grad_feat kernel spills 24 bytes); the backward's point kernel
 // needs 80 (768 threads per SM).
 constexpr int kMinBlocksPerSM = 4;
 constexpr int kMinBlocksPerSMBackward = 3;
-constexpr int kUnroll = 4;             // points in flight per slot (each a 16-byte row vector)
-constexpr int kMaxLanes = 32;          // channel vectors per point in one channel tile (grid.y)
-constexpr int kSmemBudget = 26 * 1024; // static shared memory per block (rule: < 28 KB)
-constexpr int kSmemMisc = 1024;        // flags, bitmap, scalars
-constexpr int kSearchPerThread = 4;    // run-start search after round 0: kThreads * 4 points
-constexpr int kTargetBlocksPerSM = 4;  // P is at most n / (SMs * 4): all SMs busy
+constexpr int kUnroll = 4;              // points in flight per slot (each a 16-byte row vector)
+constexpr int kMaxLanes = 32;           // channel vectors per point in one channel tile (grid.y)
+constexpr int kSmemBudget = 26 * 1024;  // static shared memory per block (rule: < 28 KB)
+constexpr int kSmemMisc = 1024;         // flags, bitmap, scalars
+constexpr int kSearchPerThread = 4;     // run-start search after round 0: kThreads * 4 points
+constexpr int kTargetBlocksPerSM = 4;   // P is at most n / (SMs * 4): all SMs busy
 // The backward's point kernel prefers ~3x more, smaller blocks (its float32 atomics spread over
 // more of the kernel's lifetime). Measured on the H200 by benchmarks/tune_points_per_block.py
 // (bevdet-r50 / -d88 / -d118 float32): ~110-220 points per block gave 51-55 / 99-101 / 106-110
@@ -115,30 +115,55 @@ constexpr int backward_stage_elems() {
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
 template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
+__device__ __forceinline__ float to_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ float to_float<half>(half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float<half>(half x) {
+  return __half2float(x);
+}
 #if MUSPACE_HAS_BF16
 template <>
-__device__ __forceinline__ float to_float<bfloat16>(bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float<bfloat16>(bfloat16 x) {
+  return __bfloat162float(x);
+}
 #endif
 
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ half from_float<half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ half from_float<half>(float x) {
+  return __float2half_rn(x);
+}
 #if MUSPACE_HAS_BF16
 template <>
-__device__ __forceinline__ bfloat16 from_float<bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ bfloat16 from_float<bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 #endif
 
-template <int BYTES> struct RawVec;
-template <> struct RawVec<16> { using type = uint4; };
-template <> struct RawVec<8> { using type = uint2; };
-template <> struct RawVec<4> { using type = unsigned int; };
-template <> struct RawVec<2> { using type = unsigned short; };
+template <int BYTES>
+struct RawVec;
+template <>
+struct RawVec<16> {
+  using type = uint4;
+};
+template <>
+struct RawVec<8> {
+  using type = uint2;
+};
+template <>
+struct RawVec<4> {
+  using type = unsigned int;
+};
+template <>
+struct RawVec<2> {
+  using type = unsigned short;
+};
 
 // VEC consecutive elements as one load; the host picks VEC so that every row start is aligned.
 // Rows stay packed (16-bit types: 8 values in 4 registers) until they are consumed.
@@ -159,7 +184,9 @@ __device__ __forceinline__ void unpack(const Packed<T, VEC>& raw, float (&v)[VEC
 
 // All-zero bits are 0.0 in float32, float16 and bfloat16.
 template <typename T, int VEC>
-__device__ __forceinline__ Packed<T, VEC> zero_packed() { return Packed<T, VEC>{}; }
+__device__ __forceinline__ Packed<T, VEC> zero_packed() {
+  return Packed<T, VEC>{};
+}
 
 template <typename T, int VEC>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&v)[VEC]) {
@@ -360,7 +387,8 @@ __device__ void find_owned_runs(const Gather& g, int n, int p0, int p1, int* s_q
   }
   __syncthreads();
   // Round 0 looks at kThreads points (most runs are shorter), later rounds at 4x as many.
-  for (int base = 0, per_thread = 1;; base += per_thread * kThreads, per_thread = kSearchPerThread) {
+  for (int base = 0, per_thread = 1;;
+       base += per_thread * kThreads, per_thread = kSearchPerThread) {
     // Read the state, then sync before anyone updates it: the loop exit is block-uniform.
     const bool searching0 = s_q[0] == kNotFound && p0 + base < p1;
     const bool owns_nothing = s_q[0] == kNotFound && p0 + base >= p1;
@@ -393,8 +421,8 @@ __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, i
   const int S = kThreads / G;  // slots
   const int slot = tid / G;
   const int lane = tid - slot * G;
-  const int lane_c = lane * VEC;        // channel offset within the tile (what sinks take)
-  const int row_c = c_begin + lane_c;   // channel offset within a row (what gathers take)
+  const int lane_c = lane * VEC;       // channel offset within the tile (what sinks take)
+  const int row_c = c_begin + lane_c;  // channel offset within a row (what gathers take)
   const int n_own = q1 - q0;
   const int K = (n_own + S - 1) / S;  // points per slot (the last slots may get fewer / none)
   const int a = q0 + min(slot * K, n_own);
@@ -532,8 +560,8 @@ __device__ bool owned_range(const Gather& gat, int n, int points_per_block, int 
 // `out` is zero-filled before the launch; the kernel writes the cells that have points.
 template <typename T, int VEC, bool kHasDepth>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
-forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_points,
-               int points_per_block, int channels, int cells_per_batch, int window_cells) {
+    forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_points,
+                   int points_per_block, int channels, int cells_per_batch, int window_cells) {
   __shared__ float s_part[kThreads * VEC];
   __shared__ alignas(16) unsigned char s_stage_raw[stage_elems<T, VEC>() * sizeof(T)];
   __shared__ unsigned char s_flags[kThreads];
@@ -567,8 +595,8 @@ forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_poi
 
 template <typename T, int VEC, bool kHasDepth>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
-grad_feat_sorted_kernel(GradRowGather<T, VEC, kHasDepth> gat, T* __restrict__ grad_feat,
-                        int n_sorted, int points_per_block, int channels, int out_prezeroed) {
+    grad_feat_sorted_kernel(GradRowGather<T, VEC, kHasDepth> gat, T* __restrict__ grad_feat,
+                            int n_sorted, int points_per_block, int channels, int out_prezeroed) {
   __shared__ float s_part[kThreads * VEC];
   __shared__ unsigned int s_bitmap[kBitmapWords];
   __shared__ unsigned char s_flags[kThreads];
@@ -596,12 +624,12 @@ grad_feat_sorted_kernel(GradRowGather<T, VEC, kHasDepth> gat, T* __restrict__ gr
 //   kAtomicFeat: grad_feat_acc[rf_i, :] += depth[rd_i] * grad_out[:, cell_i]   (float32 atomics)
 template <typename T, int VEC, bool kHasDepth, bool kDepthGrad, bool kAtomicFeat>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
-backward_points_kernel(const T* __restrict__ grad_out, const T* __restrict__ depth,
-                       const T* __restrict__ feat, const int* __restrict__ ranks_depth,
-                       const int* __restrict__ ranks_feat, const int* __restrict__ ranks_bev,
-                       T* __restrict__ grad_depth, float* __restrict__ grad_feat_acc, int n_points,
-                       int points_per_block, int64_t n_depth, int64_t n_rows, int channels,
-                       int n_cells, int cells_per_batch, int window_cells) {
+    backward_points_kernel(const T* __restrict__ grad_out, const T* __restrict__ depth,
+                           const T* __restrict__ feat, const int* __restrict__ ranks_depth,
+                           const int* __restrict__ ranks_feat, const int* __restrict__ ranks_bev,
+                           T* __restrict__ grad_depth, float* __restrict__ grad_feat_acc,
+                           int n_points, int points_per_block, int64_t n_depth, int64_t n_rows,
+                           int channels, int n_cells, int cells_per_batch, int window_cells) {
   constexpr int kStageElems = backward_stage_elems<T>();
   __shared__ alignas(16) unsigned char s_stage_raw[kStageElems * sizeof(T)];
   __shared__ float s_red[2][kUnroll][kThreads];  // per-lane partial dots, double-buffered
@@ -696,8 +724,8 @@ backward_points_kernel(const T* __restrict__ grad_out, const T* __restrict__ dep
           for (int e = 0; e < VEC; ++e) dot[u] = fmaf(g[e], f[e], dot[u]);
         }
         if (kAtomicFeat) {
-          atomic_add_scaled<VEC>(grad_feat_acc + static_cast<int64_t>(cr[u]) * channels + chunk * VEC,
-                                 wt[u], g);
+          atomic_add_scaled<VEC>(
+              grad_feat_acc + static_cast<int64_t>(cr[u]) * channels + chunk * VEC, wt[u], g);
         }
       }
     }
@@ -741,9 +769,11 @@ Elem elem_of(const TensorView& t, const char* name) {
   if (same_dtype(d, kFloat16)) return Elem::kF16;
 #if MUSPACE_HAS_BF16
   if (same_dtype(d, kBFloat16)) return Elem::kBF16;
-  TVM_FFI_THROW(TypeError) << name << " must be float32, float16 or bfloat16, got " << dtype_name(d);
+  TVM_FFI_THROW(TypeError) << name << " must be float32, float16 or bfloat16, got "
+                           << dtype_name(d);
 #else
-  TVM_FFI_THROW(TypeError) << name << " must be float32 or float16 (this build has no bfloat16), got "
+  TVM_FFI_THROW(TypeError) << name
+                           << " must be float32 or float16 (this build has no bfloat16), got "
                            << dtype_name(d);
 #endif
   return Elem::kF32;
@@ -771,12 +801,19 @@ int pick_vec(Elem e, int64_t channels, std::initializer_list<const void*> ptrs) 
 template <class F>
 void dispatch_elem(Elem e, F&& f) {
   switch (e) {
-    case Elem::kF32: f(float{}); break;
-    case Elem::kF16: f(half{}); break;
+    case Elem::kF32:
+      f(float{});
+      break;
+    case Elem::kF16:
+      f(half{});
+      break;
 #if MUSPACE_HAS_BF16
-    case Elem::kBF16: f(bfloat16{}); break;
+    case Elem::kBF16:
+      f(bfloat16{});
+      break;
 #endif
-    default: TVM_FFI_ICHECK(false) << "unreachable dtype";
+    default:
+      TVM_FFI_ICHECK(false) << "unreachable dtype";
   }
 }
 
@@ -807,8 +844,9 @@ int points_per_block_for(int64_t n_points, int64_t n_keys, int window, int lanes
   const int64_t slots = kThreads / lanes;
   if (override_ppb > 0) return static_cast<int>(std::min<int64_t>(override_ppb, 1 << 20));
   const int64_t sms = multiprocessor_count(device_id);
-  const int64_t span = window > 0 && n_keys > 0 ? (static_cast<int64_t>(window) * n_points) / (2 * n_keys)
-                                                : n_points;
+  const int64_t span = window > 0 && n_keys > 0
+                           ? (static_cast<int64_t>(window) * n_points) / (2 * n_keys)
+                           : n_points;
   const int64_t occupancy = (n_points + sms * blocks_per_sm - 1) / (sms * blocks_per_sm);
   int64_t p = std::min(span, occupancy);
   p = std::min(p, slots * kMaxPointsPerSlot);
@@ -817,7 +855,9 @@ int points_per_block_for(int64_t n_points, int64_t n_keys, int window, int lanes
 }
 
 int clamp_int(int64_t v) { return static_cast<int>(std::min<int64_t>(v, INT_MAX)); }
-void* data_or_null(const Optional<TensorView>& t) { return t.has_value() ? (*t).data_ptr() : nullptr; }
+void* data_or_null(const Optional<TensorView>& t) {
+  return t.has_value() ? (*t).data_ptr() : nullptr;
+}
 int64_t numel_or_zero(const Optional<TensorView>& t) { return t.has_value() ? (*t).numel() : 0; }
 
 void check_ranks(const TensorView& t, const char* name, const TensorView& ref, int64_t n) {
@@ -864,7 +904,8 @@ int64_t feat_channels(const TensorView& feat) {
 
 void launch_zero(void* p, int64_t n_bytes, gpuStream_t stream) {
   if (n_bytes == 0) return;
-  const int64_t blocks = std::min<int64_t>((n_bytes / 16 + kThreads) / kThreads, kZeroFillMaxBlocks);
+  const int64_t blocks =
+      std::min<int64_t>((n_bytes / 16 + kThreads) / kThreads, kZeroFillMaxBlocks);
   zero_fill_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
       static_cast<unsigned char*>(p), n_bytes);
   check_launch("bev_pool_v2 zero_fill_kernel");
@@ -928,9 +969,9 @@ void forward(Optional<TensorView> depth, TensorView feat, Optional<TensorView> r
         gat.n_rows = clamp_int(feat.numel() / channels);
         gat.channels = static_cast<int>(channels);
         gat.n_keys = n_cells;
-        forward_kernel<T, VEC, kHasDepth><<<grid, kThreads, 0, s>>>(
-            gat, static_cast<T*>(out.data_ptr()), static_cast<int>(n), ppb,
-            static_cast<int>(channels), cells_per_batch, window);
+        forward_kernel<T, VEC, kHasDepth>
+            <<<grid, kThreads, 0, s>>>(gat, static_cast<T*>(out.data_ptr()), static_cast<int>(n),
+                                       ppb, static_cast<int>(channels), cells_per_batch, window);
         check_launch("bev_pool_v2 forward_kernel");
       };
       if (has_depth) {
@@ -1002,9 +1043,9 @@ void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
       const int window = std::max(0, window_cells_for(kStage, static_cast<int>(channels)));
       // A window narrower than one cell (huge C) is simply unused (window 0 cells).
       const int window_used = static_cast<int64_t>(window) * channels <= kStage ? window : 0;
-      const int ppb = points_per_block_for(n, n_cells, std::max(window_used, 1), lanes,
-                                           feat.device().device_id, points_per_block,
-                                           kTargetBlocksPerSMBackward);
+      const int ppb =
+          points_per_block_for(n, n_cells, std::max(window_used, 1), lanes, feat.device().device_id,
+                               points_per_block, kTargetBlocksPerSMBackward);
       const dim3 grid(static_cast<unsigned>((n + ppb - 1) / ppb));
       auto launch = [&](auto has_depth_tag, auto depth_grad_tag, auto atomic_tag) {
         constexpr bool kHasDepth = decltype(has_depth_tag)::value;
@@ -1018,8 +1059,8 @@ void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
             static_cast<const int*>(ranks_feat.data_ptr()),
             static_cast<const int*>(ranks_bev.data_ptr()),
             kDepthGrad ? static_cast<T*>(data_or_null(grad_depth)) : nullptr,
-            kAtomic ? static_cast<float*>(data_or_null(grad_feat_acc)) : nullptr, static_cast<int>(n),
-            ppb, kHasDepth ? numel_or_zero(depth) : 0, feat.numel() / channels,
+            kAtomic ? static_cast<float*>(data_or_null(grad_feat_acc)) : nullptr,
+            static_cast<int>(n), ppb, kHasDepth ? numel_or_zero(depth) : 0, feat.numel() / channels,
             static_cast<int>(channels), n_cells, cells_per_batch, window_used);
         check_launch("bev_pool_v2 backward_points_kernel");
       };
@@ -1070,17 +1111,20 @@ void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
   check_ndim(grad_rows, "grad_rows", 2);
   check_size(grad_rows, "grad_rows", 1, channels);
   if (grad_rows.size(0) > INT_MAX) {
-    TVM_FFI_THROW(ValueError) << "grad_rows has " << grad_rows.size(0) << " cells; at most " << INT_MAX;
+    TVM_FFI_THROW(ValueError) << "grad_rows has " << grad_rows.size(0) << " cells; at most "
+                              << INT_MAX;
   }
   const int64_t n_keys = channels > 0 ? grad_feat.numel() / channels : 0;
   if (n_keys > INT_MAX) {
-    TVM_FFI_THROW(ValueError) << "feat has " << n_keys << " rows; ranks_feat (int32) reaches " << INT_MAX;
+    TVM_FFI_THROW(ValueError) << "feat has " << n_keys << " rows; ranks_feat (int32) reaches "
+                              << INT_MAX;
   }
   if (grad_feat.numel() == 0) return;
   DeviceGuard guard(grad_feat.device().device_id);
   const gpuStream_t s = as_stream(stream);
   const int64_t n_sorted = order.size(0);
-  if (n_sorted == 0) return launch_zero(grad_feat.data_ptr(), grad_feat.numel() * elem_bytes(elem), s);
+  if (n_sorted == 0)
+    return launch_zero(grad_feat.data_ptr(), grad_feat.numel() * elem_bytes(elem), s);
   const int vec = pick_vec(elem, channels, {grad_rows.data_ptr(), grad_feat.data_ptr()});
   dispatch_elem(elem, [&](auto tag) {
     using T = decltype(tag);

@@ -11,7 +11,8 @@ namespace {
 
 __global__ void add_one_kernel(const float* __restrict__ x, float* __restrict__ out, int64_t n) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
     out[i] = x[i] + 1.0f;
   }
 }
@@ -29,8 +30,8 @@ void add_one_forward(TensorView x, TensorView out, int64_t stream) {
   const int64_t max_blocks = static_cast<int64_t>(multiprocessor_count(x.device().device_id)) * 8;
   const int64_t wanted = (n + kBlock - 1) / kBlock;
   const int blocks = static_cast<int>(wanted < max_blocks ? wanted : max_blocks);
-  add_one_kernel<<<blocks, kBlock, 0, as_stream(stream)>>>(
-      static_cast<const float*>(x.data_ptr()), static_cast<float*>(out.data_ptr()), n);
+  add_one_kernel<<<blocks, kBlock, 0, as_stream(stream)>>>(static_cast<const float*>(x.data_ptr()),
+                                                           static_cast<float*>(out.data_ptr()), n);
   check_launch("add_one_kernel");
 }
 

@@ -15,6 +15,10 @@ def check_tensor(t, name: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
-def check_same_device(t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str = "feat") -> None:
+def check_same_device(
+    t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str = "feat"
+) -> None:
     if t.device != ref.device:
-        raise ValueError(f"{name} must be on {ref.device} (the device of {ref_name}), got {t.device}")
+        raise ValueError(
+            f"{name} must be on {ref.device} (the device of {ref_name}), got {t.device}"
+        )

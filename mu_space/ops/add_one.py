@@ -62,11 +62,20 @@ def add_one(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 
 def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
     x = torch.randn(3, 1000, 7, device=device)
-    return [registry.SelfCheckCase("float32 [3, 1000, 7]", (x,)),
-            registry.SelfCheckCase("empty", (torch.empty(0, 5, device=device),))]
+    return [
+        registry.SelfCheckCase("float32 [3, 1000, 7]", (x,)),
+        registry.SelfCheckCase("empty", (torch.empty(0, 5, device=device),)),
+    ]
 
 
-registry.register(registry.OperatorSpec(
-    name=OP, family="smoke", api=add_one, reference=add_one_reference,
-    native_entry_points=("add_one_forward",), self_check_cases=_self_check_cases,
-    public=False))
+registry.register(
+    registry.OperatorSpec(
+        name=OP,
+        family="smoke",
+        api=add_one,
+        reference=add_one_reference,
+        native_entry_points=("add_one_forward",),
+        self_check_cases=_self_check_cases,
+        public=False,
+    )
+)

@@ -65,8 +65,9 @@ def _check(feats, coords, B, D, H, W) -> Grid:
     if coords.dim() != 2 or coords.shape[1] != 4:
         raise ValueError(f"coords must be [n, 4] (x, y, z, batch), got shape {tuple(coords.shape)}")
     if coords.shape[0] != feats.shape[0]:
-        raise ValueError(f"coords.shape[0] must be {feats.shape[0]} (the rows of feats), "
-                         f"got {coords.shape[0]}")
+        raise ValueError(
+            f"coords.shape[0] must be {feats.shape[0]} (the rows of feats), got {coords.shape[0]}"
+        )
     b, d, h, w = dims
     return Grid(b, d, h, w, feats.shape[1])
 
@@ -97,20 +98,42 @@ def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
     cases = []
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
         a = bev_pool_inputs.bevfusion_inputs("tiny", batch=2, dtype=dtype, device=device)
-        cases.append(registry.SelfCheckCase(
-            f"tiny B=2 {dtype_name(dtype)}", (a["feats"], a["coords"], a["B"], a["D"], a["H"], a["W"]),
-            atol=tol, rtol=tol, backward=dtype == torch.float32))
+        cases.append(
+            registry.SelfCheckCase(
+                f"tiny B=2 {dtype_name(dtype)}",
+                (a["feats"], a["coords"], a["B"], a["D"], a["H"], a["W"]),
+                atol=tol,
+                rtol=tol,
+                backward=dtype == torch.float32,
+            )
+        )
     a = bev_pool_inputs.bevfusion_inputs("tiny", device=device, keep_out_of_range=True)
-    cases.append(registry.SelfCheckCase(
-        "tiny, out-of-range coords dropped", (a["feats"], a["coords"].int(), a["B"], a["D"], a["H"], a["W"]),
-        atol=1e-5, rtol=1e-5, backward=True))
+    cases.append(
+        registry.SelfCheckCase(
+            "tiny, out-of-range coords dropped",
+            (a["feats"], a["coords"].int(), a["B"], a["D"], a["H"], a["W"]),
+            atol=1e-5,
+            rtol=1e-5,
+            backward=True,
+        )
+    )
     return cases
 
 
-registry.register(registry.OperatorSpec(
-    name=OP, family="bev", api=bev_pool, reference=bev_pool_reference,
-    native_entry_points=_ROWS_ENTRY_POINTS, self_check_cases=_self_check_cases,
-    dtypes=("float32", "float16", "bfloat16"), backward="native",
-    upstream="BEVFusion bev_pool", models="BEVFusion (camera branch), DepthLSS-style transforms",
-    patches=("bevfusion.bev_pool",), recipes=("model_examples/BEVFusion",),
-    doc="docs/operators/bev_pool.md"))
+registry.register(
+    registry.OperatorSpec(
+        name=OP,
+        family="bev",
+        api=bev_pool,
+        reference=bev_pool_reference,
+        native_entry_points=_ROWS_ENTRY_POINTS,
+        self_check_cases=_self_check_cases,
+        dtypes=("float32", "float16", "bfloat16"),
+        backward="native",
+        upstream="BEVFusion bev_pool",
+        models="BEVFusion (camera branch), DepthLSS-style transforms",
+        patches=("bevfusion.bev_pool",),
+        recipes=("model_examples/BEVFusion",),
+        doc="docs/operators/bev_pool.md",
+    )
+)

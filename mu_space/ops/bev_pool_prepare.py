@@ -78,7 +78,8 @@ import os
 import struct
 import threading
 import time
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -106,8 +107,14 @@ class BEVPoolRanks(NamedTuple):
     def bev_pool_v2_args(self, bev_feat_shape: Sequence[int]) -> tuple:
         """The arguments of BEVDet's `bev_pool_v2` after `depth, feat`:
         `(ranks_depth, ranks_feat, ranks_bev, bev_feat_shape, interval_starts, interval_lengths)`."""
-        return (self.ranks_depth, self.ranks_feat, self.ranks_bev, tuple(bev_feat_shape),
-                self.interval_starts, self.interval_lengths)
+        return (
+            self.ranks_depth,
+            self.ranks_feat,
+            self.ranks_bev,
+            tuple(bev_feat_shape),
+            self.interval_starts,
+            self.interval_lengths,
+        )
 
 
 class CellSort(NamedTuple):
@@ -116,8 +123,6 @@ class CellSort(NamedTuple):
     order: torch.Tensor
     interval_starts: torch.Tensor
     interval_lengths: torch.Tensor
-
-
 
 
 # --------------------------------------------------------------------------- validation
@@ -134,7 +139,9 @@ def _as_float32(value: float) -> float:
 def _three(value, name: str) -> list:
     if isinstance(value, torch.Tensor):
         if value.numel() != 3:
-            raise ValueError(f"{name} must have 3 values (x, y, z), got a tensor of {value.numel()}")
+            raise ValueError(
+                f"{name} must have 3 values (x, y, z), got a tensor of {value.numel()}"
+            )
         return value.detach().reshape(-1).tolist()  # a GPU tensor costs a sync here
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be 3 numbers (x, y, z), got {type(value).__name__}")
@@ -171,8 +178,10 @@ def _grid_from_tuples(lower: tuple, interval: tuple, size: tuple):
             except (TypeError, ValueError):
                 raise TypeError(f"grid_size must be 3 integers (X, Y, Z), got {size}") from None
             if not f.is_integer():
-                raise ValueError(f"grid_size must be 3 integers (X, Y, Z), got {size}; BEVDet's "
-                                 "float grid_size must be integral (round it)") from None
+                raise ValueError(
+                    f"grid_size must be 3 integers (X, Y, Z), got {size}; BEVDet's "
+                    "float grid_size must be integral (round it)"
+                ) from None
             s = int(f)
         if s <= 0:
             raise ValueError(f"grid_size must be positive, got {size}")
@@ -198,8 +207,9 @@ def _check_coor(coor) -> None:
     if not isinstance(coor, torch.Tensor):
         raise TypeError(f"coor must be a torch.Tensor, got {type(coor).__name__}")
     if coor.dtype not in _COOR_DTYPES:
-        raise TypeError(f"coor must be float32, float16, bfloat16 or float64, got "
-                        f"{dtype_name(coor.dtype)}")
+        raise TypeError(
+            f"coor must be float32, float16, bfloat16 or float64, got {dtype_name(coor.dtype)}"
+        )
     if coor.dim() != 6 or coor.shape[-1] != 3:
         raise ValueError(f"coor must be [B, N, D, H, W, 3], got {list(coor.shape)}")
     n = coor.numel() // 3
@@ -211,8 +221,10 @@ def _n_cells(batch: int, size: tuple) -> int:
     x, y, z = size
     n_cells = batch * x * y * z
     if n_cells > INT32_MAX:
-        raise ValueError(f"B*X*Y*Z = {batch}*{x}*{y}*{z} = {n_cells} cells exceeds the int32 range "
-                         f"of ranks_bev ({INT32_MAX})")
+        raise ValueError(
+            f"B*X*Y*Z = {batch}*{x}*{y}*{z} = {n_cells} cells exceeds the int32 range "
+            f"of ranks_bev ({INT32_MAX})"
+        )
     return n_cells
 
 
@@ -258,8 +270,9 @@ def _grid_cells(q: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]
     return kept & (cell < size), cell
 
 
-def bev_pool_prepare_reference(coor: torch.Tensor, grid_lower_bound, grid_interval,
-                               grid_size) -> BEVPoolRanks:
+def bev_pool_prepare_reference(
+    coor: torch.Tensor, grid_lower_bound, grid_interval, grid_size
+) -> BEVPoolRanks:
     """Vectorised PyTorch path (any device, float64 too); stable sort, so equal to native."""
     _check_coor(coor)
     lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size)
@@ -284,8 +297,13 @@ def bev_pool_prepare_reference(coor: torch.Tensor, grid_lower_bound, grid_interv
     hw = H * W
     ranks_feat = (ranks_depth // (D * hw)) * hw + ranks_depth % hw
     starts, lengths = _intervals(ranks_bev)
-    return BEVPoolRanks(ranks_bev.to(torch.int32), ranks_depth.to(torch.int32),
-                        ranks_feat.to(torch.int32), starts, lengths)
+    return BEVPoolRanks(
+        ranks_bev.to(torch.int32),
+        ranks_depth.to(torch.int32),
+        ranks_feat.to(torch.int32),
+        starts,
+        lengths,
+    )
 
 
 def sort_by_cell_reference(cell: torch.Tensor, n_cells: int) -> CellSort:
@@ -301,9 +319,9 @@ def sort_by_cell_reference(cell: torch.Tensor, n_cells: int) -> CellSort:
 # --------------------------------------------------------------------------- native
 
 # flags of the native entry points (csrc/bev/bev_pool_prepare_musa.mu)
-_STAGE_COUNT = 1       # zero (unless clean) + cells + scan: the counts are final after it
-_STAGE_ORDER = 2       # scatter + emit
-_WORKSPACE_CLEAN = 4   # the workspace's zero region is zero (true after any completed COUNT)
+_STAGE_COUNT = 1  # zero (unless clean) + cells + scan: the counts are final after it
+_STAGE_ORDER = 2  # scatter + emit
+_WORKSPACE_CLEAN = 4  # the workspace's zero region is zero (true after any completed COUNT)
 _POLICY_AGGREGATE = 8  # block-aggregated histogram atomics
 
 
@@ -338,8 +356,19 @@ class _NativeState:
     zero region is known zero (every COUNT stage leaves it so: the zeroing launch runs once),
     and on CUDA a pinned host buffer and an event for reading the two counts back early."""
 
-    __slots__ = ("workspace", "n_cells", "clean", "head", "host", "host_head", "host_np",
-                 "host_ptr", "sequence", "event", "stream")
+    __slots__ = (
+        "workspace",
+        "n_cells",
+        "clean",
+        "head",
+        "host",
+        "host_head",
+        "host_np",
+        "host_ptr",
+        "sequence",
+        "event",
+        "stream",
+    )
 
     def __init__(self, device: torch.device, ints: int):
         self.workspace = torch.empty(ints, dtype=torch.int32, device=device)
@@ -361,8 +390,9 @@ _STATES: dict = {}
 _MAX_STATES = 16  # distinct (op, device, stream, thread) keys kept; the oldest goes first
 
 
-def _native_state(op: str, device: torch.device, stream: int, n_cells: int,
-                  ints: int) -> _NativeState:
+def _native_state(
+    op: str, device: torch.device, stream: int, n_cells: int, ints: int
+) -> _NativeState:
     key = (op, device.type, device.index, stream, threading.get_ident())
     st = _STATES.get(key)
     if st is None or st.workspace.numel() < ints:
@@ -387,8 +417,9 @@ def _wait(st: _NativeState, ready) -> None:
             return
 
 
-def _run_native(entry, args: tuple, st: _NativeState, stream: int, n: int,
-                cap: int) -> tuple[int, int]:
+def _run_native(
+    entry, args: tuple, st: _NativeState, stream: int, n: int, cap: int
+) -> tuple[int, int]:
     """Queue both stages and return (n_kept, n_intervals): the one host synchronisation."""
     global _READBACK
     clean = _WORKSPACE_CLEAN if st.clean else 0
@@ -425,8 +456,10 @@ def _run_native(entry, args: tuple, st: _NativeState, stream: int, n: int,
         st.clean = True
         n_kept, n_intervals = st.workspace[:2].tolist()
     if not (0 <= n_kept <= n and 0 <= n_intervals <= min(cap, n_kept)):
-        raise RuntimeError(f"{OP}: native counts out of range (n_kept={n_kept}, "
-                           f"n_intervals={n_intervals}, n={n}); please report this")
+        raise RuntimeError(
+            f"{OP}: native counts out of range (n_kept={n_kept}, "
+            f"n_intervals={n_intervals}, n={n}); please report this"
+        )
     return n_kept, n_intervals
 
 
@@ -436,13 +469,21 @@ def _prepare_native(coor, lower, interval, size, n, n_cells) -> BEVPoolRanks:
     cap = min(n, n_cells)
     stream = stream_handle(coor)
     st = _native_state(OP, device, stream, n_cells, _workspace_ints(n, n_cells))
-    outs = (torch.empty(n, dtype=torch.int32, device=device),
-            torch.empty(n, dtype=torch.int32, device=device),
-            torch.empty(n, dtype=torch.int32, device=device),
-            torch.empty(cap, dtype=torch.int32, device=device),
-            torch.empty(cap, dtype=torch.int32, device=device))
-    k, m = _run_native(native.function("bev_pool_prepare_forward"),
-                       (coor, st.workspace, *outs, *lower, *interval, *size), st, stream, n, cap)
+    outs = (
+        torch.empty(n, dtype=torch.int32, device=device),
+        torch.empty(n, dtype=torch.int32, device=device),
+        torch.empty(n, dtype=torch.int32, device=device),
+        torch.empty(cap, dtype=torch.int32, device=device),
+        torch.empty(cap, dtype=torch.int32, device=device),
+    )
+    k, m = _run_native(
+        native.function("bev_pool_prepare_forward"),
+        (coor, st.workspace, *outs, *lower, *interval, *size),
+        st,
+        stream,
+        n,
+        cap,
+    )
     # shrink in place (metadata only; the ORDER stage may still be writing them)
     outs[0].resize_(k)
     outs[1].resize_(k)
@@ -462,8 +503,14 @@ def _sort_native(cell, n_cells) -> CellSort:
     order = torch.empty(n, dtype=torch.int32, device=device)
     starts = torch.empty(cap, dtype=torch.int32, device=device)
     lengths = torch.empty(cap, dtype=torch.int32, device=device)
-    k, m = _run_native(native.function("sort_by_cell_forward"),
-                       (cell, st.workspace, order, starts, lengths, n_cells), st, stream, n, cap)
+    k, m = _run_native(
+        native.function("sort_by_cell_forward"),
+        (cell, st.workspace, order, starts, lengths, n_cells),
+        st,
+        stream,
+        n,
+        cap,
+    )
     order.resize_(k)
     starts.resize_(m)
     lengths.resize_(m)
@@ -479,8 +526,9 @@ def _prepare_unsupported(coor: torch.Tensor) -> str | None:
     return None
 
 
-def _bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size,
-                      backend: str) -> BEVPoolRanks:
+def _bev_pool_prepare(
+    coor, grid_lower_bound, grid_interval, grid_size, backend: str
+) -> BEVPoolRanks:
     _check_coor(coor)
     lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size)
     B = coor.shape[0]
@@ -506,10 +554,13 @@ def _sort_by_cell(cell, n_cells, backend: str) -> CellSort:
 
 
 @torch.library.custom_op("mu_space::bev_pool_prepare", mutates_args=())
-def _bev_pool_prepare_op(coor: torch.Tensor, grid_lower_bound: list[float],
-                         grid_interval: list[float], grid_size: list[int], backend: str
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                    torch.Tensor]:
+def _bev_pool_prepare_op(
+    coor: torch.Tensor,
+    grid_lower_bound: list[float],
+    grid_interval: list[float],
+    grid_size: list[int],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(_bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size, backend))
 
 
@@ -522,8 +573,9 @@ def _(coor, grid_lower_bound, grid_interval, grid_size, backend):
 
 
 @torch.library.custom_op("mu_space::sort_by_cell", mutates_args=())
-def _sort_by_cell_op(cell: torch.Tensor, n_cells: int, backend: str
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sort_by_cell_op(
+    cell: torch.Tensor, n_cells: int, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(_sort_by_cell(cell, n_cells, backend))
 
 
@@ -531,16 +583,19 @@ def _sort_by_cell_op(cell: torch.Tensor, n_cells: int, backend: str
 def _(cell, n_cells, backend):
     ctx = torch.library.get_ctx()
     n_kept, n_intervals = ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    return (cell.new_empty(n_kept, dtype=torch.int32),
-            cell.new_empty(n_intervals, dtype=torch.int32),
-            cell.new_empty(n_intervals, dtype=torch.int32))
+    return (
+        cell.new_empty(n_kept, dtype=torch.int32),
+        cell.new_empty(n_intervals, dtype=torch.int32),
+        cell.new_empty(n_intervals, dtype=torch.int32),
+    )
 
 
 # --------------------------------------------------------------------------- public API
 
 
-def bev_pool_prepare(coor: torch.Tensor, grid_lower_bound, grid_interval, grid_size, *,
-                     backend: str = "auto") -> BEVPoolRanks:
+def bev_pool_prepare(
+    coor: torch.Tensor, grid_lower_bound, grid_interval, grid_size, *, backend: str = "auto"
+) -> BEVPoolRanks:
     """Ranks and intervals for `bev_pool_v2` from frustum coordinates (BEVDet's
     `voxel_pooling_prepare_v2`); see the module docstring for the formula and differences.
 
@@ -563,8 +618,11 @@ def bev_pool_prepare(coor: torch.Tensor, grid_lower_bound, grid_interval, grid_s
     """
     if torch.compiler.is_compiling():
         lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size, cached=False)
-        return BEVPoolRanks(*torch.ops.mu_space.bev_pool_prepare(
-            coor, list(lower), list(interval), list(size), backend))
+        return BEVPoolRanks(
+            *torch.ops.mu_space.bev_pool_prepare(
+                coor, list(lower), list(interval), list(size), backend
+            )
+        )
     return _bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size, backend)
 
 
@@ -586,40 +644,64 @@ def sort_by_cell(cell: torch.Tensor, n_cells: int, *, backend: str = "auto") -> 
 def _small_bevdet_config():
     from mu_space.testing import bev_geometry
 
-    return bev_geometry.BEVConfig("bevdet-small", batch=2, feature_hw=(8, 22),
-                                  depth=(1.0, 60.0, 2.0), channels=8)
+    return bev_geometry.BEVConfig(
+        "bevdet-small", batch=2, feature_hw=(8, 22), depth=(1.0, 60.0, 2.0), channels=8
+    )
 
 
 def _prepare_case(label: str, cfg, device) -> registry.SelfCheckCase:
     from mu_space.testing import bev_geometry
 
     g = bev_geometry.make(cfg)
-    return registry.SelfCheckCase(label, (g["coor"].to(device), g["grid_lower_bound"],
-                                          g["grid_interval"], g["grid_size"]))
+    return registry.SelfCheckCase(
+        label, (g["coor"].to(device), g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
+    )
 
 
 def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
-    return [_prepare_case("tiny", "tiny", device),
-            _prepare_case("bevdet-like B=2 [2,6,30,8,22]", _small_bevdet_config(), device)]
+    return [
+        _prepare_case("tiny", "tiny", device),
+        _prepare_case("bevdet-like B=2 [2,6,30,8,22]", _small_bevdet_config(), device),
+    ]
 
 
 def _sort_self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
     g = torch.Generator().manual_seed(0)
     cell = torch.randint(-50, 1100, (20000,), generator=g)
-    return [registry.SelfCheckCase("int64 [20000], 1000 cells", (cell.to(device), 1000)),
-            registry.SelfCheckCase("int32 [20000], 7 cells", (cell.int().to(device) % 9 - 1, 7))]
+    return [
+        registry.SelfCheckCase("int64 [20000], 1000 cells", (cell.to(device), 1000)),
+        registry.SelfCheckCase("int32 [20000], 7 cells", (cell.int().to(device) % 9 - 1, 7)),
+    ]
 
 
-registry.register(registry.OperatorSpec(
-    name=OP, family="bev", api=bev_pool_prepare, reference=bev_pool_prepare_reference,
-    native_entry_points=("bev_pool_prepare_forward", "bev_pool_sort_workspace_ints"),
-    self_check_cases=_self_check_cases, dtypes=("float32", "float16", "bfloat16"),
-    backward="no", upstream="BEVDet `voxel_pooling_prepare_v2`",
-    models="BEVDet, BEVDepth, FlashOCC", patches=("bevdet.voxel_pooling_prepare_v2",),
-    recipes=("model_examples/BEVDet",), doc="docs/operators/bev_pool_prepare.md"))
+registry.register(
+    registry.OperatorSpec(
+        name=OP,
+        family="bev",
+        api=bev_pool_prepare,
+        reference=bev_pool_prepare_reference,
+        native_entry_points=("bev_pool_prepare_forward", "bev_pool_sort_workspace_ints"),
+        self_check_cases=_self_check_cases,
+        dtypes=("float32", "float16", "bfloat16"),
+        backward="no",
+        upstream="BEVDet `voxel_pooling_prepare_v2`",
+        models="BEVDet, BEVDepth, FlashOCC",
+        patches=("bevdet.voxel_pooling_prepare_v2",),
+        recipes=("model_examples/BEVDet",),
+        doc="docs/operators/bev_pool_prepare.md",
+    )
+)
 
-registry.register(registry.OperatorSpec(
-    name=SORT_OP, family="bev", api=sort_by_cell, reference=sort_by_cell_reference,
-    native_entry_points=("sort_by_cell_forward", "bev_pool_sort_workspace_ints"),
-    self_check_cases=_sort_self_check_cases, dtypes=("int32", "int64"), backward="no",
-    public=False))
+registry.register(
+    registry.OperatorSpec(
+        name=SORT_OP,
+        family="bev",
+        api=sort_by_cell,
+        reference=sort_by_cell_reference,
+        native_entry_points=("sort_by_cell_forward", "bev_pool_sort_workspace_ints"),
+        self_check_cases=_sort_self_check_cases,
+        dtypes=("int32", "int64"),
+        backward="no",
+        public=False,
+    )
+)

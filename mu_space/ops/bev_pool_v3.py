@@ -49,13 +49,14 @@ bev_pool_v2's custom op.
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
+from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 from mu_space.ops.bev_pool_prepare import sort_by_cell
 from mu_space.ops.bev_pool_v2 import bev_pool_v2
-from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 from mu_space.runtime import kernel_dispatch, registry
 
 OP = "bev_pool_v3"
@@ -63,23 +64,19 @@ NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INT32_LIMIT = 2**31
 # The primitives' entry points these ops run through (they have no kernel of their own).
 _ROWS_ENTRY_POINTS = ("sort_by_cell_forward", "bev_pool_sort_workspace_ints", "bev_pool_v2_forward")
-_NATIVE_ENTRY_POINTS = _ROWS_ENTRY_POINTS + ("bev_pool_v2_backward",
-                                             "bev_pool_v2_backward_feat_sorted")
+_NATIVE_ENTRY_POINTS = _ROWS_ENTRY_POINTS + (
+    "bev_pool_v2_backward",
+    "bev_pool_v2_backward_feat_sorted",
+)
 
 
 # ------------------------------------------------------------------ shared helpers (bev_pool too)
-
-
-
-
 
 
 def _check_floating(t, name: str) -> None:
     check_tensor(t, name)
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating tensor, got {dtype_name(t.dtype)}")
-
-
 
 
 def _as_int(value, name: str) -> int:
@@ -108,8 +105,11 @@ class Grid(NamedTuple):
 
 
 def _grid(bev_feat_shape, name: str = "bev_feat_shape") -> Grid:
-    if isinstance(bev_feat_shape, torch.Tensor) or not isinstance(bev_feat_shape, Sequence) \
-            or len(bev_feat_shape) != 5:
+    if (
+        isinstance(bev_feat_shape, torch.Tensor)
+        or not isinstance(bev_feat_shape, Sequence)
+        or len(bev_feat_shape) != 5
+    ):
         raise ValueError(f"{name} must be 5 integers (B, Z, Y, X, C), got {bev_feat_shape!r}")
     labels = ("B", "Z", "Y", "X", "C")
     return Grid(*(_as_int(v, f"{name}[{i}] ({labels[i]})") for i, v in enumerate(bev_feat_shape)))
@@ -127,9 +127,11 @@ def _cell_constants(dims: tuple[int, int, int, int], dtype: torch.dtype, device:
     B, D, H, W = dims
 
     def build():
-        return (torch.zeros(4, dtype=dtype, device=device),
-                torch.tensor([H - 1, W - 1, D - 1, B - 1], dtype=dtype, device=device),
-                torch.tensor([W, 1, H * W, D * H * W], dtype=dtype, device=device))
+        return (
+            torch.zeros(4, dtype=dtype, device=device),
+            torch.tensor([H - 1, W - 1, D - 1, B - 1], dtype=dtype, device=device),
+            torch.tensor([W, 1, H * W, D * H * W], dtype=dtype, device=device),
+        )
 
     if torch.compiler.is_compiling():  # inductor turns these into graph constants
         return build()
@@ -219,8 +221,17 @@ def _pool_native(depth, feat, ranks_depth, ranks_feat, cells, grid: Grid, backen
     ranks_feat = order if ranks_feat is None else ranks_feat[order]
     if depth is not None:
         ranks_depth = ranks_depth[order]
-    return bev_pool_v2(depth, feat, ranks_depth, ranks_feat, ranks_bev, tuple(grid),
-                       s.interval_starts, s.interval_lengths, backend=backend)
+    return bev_pool_v2(
+        depth,
+        feat,
+        ranks_depth,
+        ranks_feat,
+        ranks_bev,
+        tuple(grid),
+        s.interval_starts,
+        s.interval_lengths,
+        backend=backend,
+    )
 
 
 def _row_gather_grad(grad_out: torch.Tensor, cells: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -248,8 +259,9 @@ def _row_gather_grad(grad_out: torch.Tensor, cells: torch.Tensor, grid: Grid) ->
 
 
 @torch.library.custom_op("mu_space::bev_pool_rows", mutates_args=())
-def _pool_rows_op(feat: torch.Tensor, cells: torch.Tensor, grid: list[int], backend: str
-                  ) -> torch.Tensor:
+def _pool_rows_op(
+    feat: torch.Tensor, cells: torch.Tensor, grid: list[int], backend: str
+) -> torch.Tensor:
     return _pool_native(None, feat, None, None, cells, Grid(*grid), backend)
 
 
@@ -283,8 +295,9 @@ def _pool_rows_native(feat, cells, grid: Grid, backend: str) -> torch.Tensor:
 
 def _native_unsupported(feat: torch.Tensor, grid: Grid) -> str | None:
     if feat.dtype not in NATIVE_DTYPES:
-        return (f"feat dtype {dtype_name(feat.dtype)} has no native kernel "
-                "(float32, float16, bfloat16)")
+        return (
+            f"feat dtype {dtype_name(feat.dtype)} has no native kernel (float32, float16, bfloat16)"
+        )
     if grid.n_cells >= INT32_LIMIT:
         return f"B*Z*Y*X = {grid.n_cells} cells do not fit the native kernels' int32 ranks"
     return None
@@ -325,36 +338,48 @@ def _check_v3(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape) -
     grid = _grid(bev_feat_shape)
     _check_floating(feat, "feat")
     if feat.dim() == 0 or feat.shape[-1] != grid.C:
-        raise ValueError(f"feat must have C = bev_feat_shape[4] = {grid.C} channels in its last "
-                         f"dim, got shape {tuple(feat.shape)}")
+        raise ValueError(
+            f"feat must have C = bev_feat_shape[4] = {grid.C} channels in its last "
+            f"dim, got shape {tuple(feat.shape)}"
+        )
     check_tensor(ranks_bev, "ranks_bev")
     check_same_device(ranks_bev, "ranks_bev", feat, "feat")
     if ranks_bev.dim() == 2:
         if ranks_bev.shape[1] != 4:
-            raise ValueError(f"ranks_bev.shape[1] must be 4 (h, w, d, b) when 2-D, got {ranks_bev.shape[1]}")
+            raise ValueError(
+                f"ranks_bev.shape[1] must be 4 (h, w, d, b) when 2-D, got {ranks_bev.shape[1]}"
+            )
         if ranks_bev.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"ranks_bev must be int32 or int64 when 2-D, got {dtype_name(ranks_bev.dtype)}")
+            raise TypeError(
+                f"ranks_bev must be int32 or int64 when 2-D, got {dtype_name(ranks_bev.dtype)}"
+            )
     else:
         _check_rank(ranks_bev, "ranks_bev", None, feat)
     n = ranks_bev.shape[0]
     if (depth is None) != (ranks_depth is None):
-        raise ValueError("depth and ranks_depth must be given together (or both None), got "
-                         f"depth={'None' if depth is None else 'Tensor'}, "
-                         f"ranks_depth={'None' if ranks_depth is None else 'Tensor'}")
+        raise ValueError(
+            "depth and ranks_depth must be given together (or both None), got "
+            f"depth={'None' if depth is None else 'Tensor'}, "
+            f"ranks_depth={'None' if ranks_depth is None else 'Tensor'}"
+        )
     if depth is not None:
         _check_floating(depth, "depth")
         check_same_device(depth, "depth", feat, "feat")
         if depth.dtype != feat.dtype:
-            raise TypeError(f"depth must have the dtype of feat ({dtype_name(feat.dtype)}), "
-                            f"got {dtype_name(depth.dtype)}")
+            raise TypeError(
+                f"depth must have the dtype of feat ({dtype_name(feat.dtype)}), "
+                f"got {dtype_name(depth.dtype)}"
+            )
         _check_rank(ranks_depth, "ranks_depth", n, feat)
         if ranks_feat is None:
             raise ValueError("ranks_feat must be given when depth is given")
     if ranks_feat is not None:
         _check_rank(ranks_feat, "ranks_feat", n, feat)
     elif feat.dim() != 2 or feat.shape[0] != n:
-        raise ValueError(f"feat must be [n, C] = [{n}, {grid.C}] (one row per point) when "
-                         f"ranks_feat is None, got shape {tuple(feat.shape)}")
+        raise ValueError(
+            f"feat must be [n, C] = [{n}, {grid.C}] (one row per point) when "
+            f"ranks_feat is None, got shape {tuple(feat.shape)}"
+        )
     return grid
 
 
@@ -371,14 +396,18 @@ def _validate_ranks(depth, feat, ranks_depth, ranks_feat, ranks_bev, grid: Grid)
     checks = []
     if ranks_bev.dim() == 2:
         limits = (grid.Y, grid.X, grid.Z, grid.B)
-        checks += [(ranks_bev[:, k], f"ranks_bev[:, {k}]", limits[k], ("h", "w", "d", "b")[k])
-                   for k in range(4)]
+        checks += [
+            (ranks_bev[:, k], f"ranks_bev[:, {k}]", limits[k], ("h", "w", "d", "b")[k])
+            for k in range(4)
+        ]
     else:
         checks.append((ranks_bev, "ranks_bev", grid.n_cells, "B*Z*Y*X"))
     if ranks_depth is not None:
         checks.append((ranks_depth, "ranks_depth", depth.numel(), "depth.numel()"))
     if ranks_feat is not None:
-        checks.append((ranks_feat, "ranks_feat", feat.numel() // max(grid.C, 1), "feat.numel() / C"))
+        checks.append(
+            (ranks_feat, "ranks_feat", feat.numel() // max(grid.C, 1), "feat.numel() / C")
+        )
     for index, name, limit, what in checks:
         hit = _first_bad(index, limit)
         if hit is not None:
@@ -397,8 +426,17 @@ def bev_pool_v3_reference(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_f
     return _pool_reference(depth, feat, ranks_depth, ranks_feat, _cells_of(ranks_bev, grid), grid)
 
 
-def bev_pool_v3(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape, *,
-                backend: str = "auto", validate: bool = False) -> torch.Tensor:
+def bev_pool_v3(
+    depth,
+    feat,
+    ranks_depth,
+    ranks_feat,
+    ranks_bev,
+    bev_feat_shape,
+    *,
+    backend: str = "auto",
+    validate: bool = False,
+) -> torch.Tensor:
     """BEV pooling from unsorted ranks (DrivingSDK `bev_pool_v3`) -> Tensor[B, C, Z, Y, X].
 
     See the module docstring for the formula, shapes, v1 mode and what differs from DrivingSDK.
@@ -425,22 +463,48 @@ def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
     cases = []
     for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
         a = bev_pool_inputs.bevdet_ranks("tiny", batch=2, dtype=dtype, device=device, shuffle=True)
-        cases.append(registry.SelfCheckCase(
-            f"tiny B=2 shuffled {dtype_name(dtype)}",
-            (a["depth"], a["feat"], a["ranks_depth"], a["ranks_feat"], a["ranks_bev"],
-             a["bev_feat_shape"]), atol=tol, rtol=tol, backward=dtype == torch.float32))
+        cases.append(
+            registry.SelfCheckCase(
+                f"tiny B=2 shuffled {dtype_name(dtype)}",
+                (
+                    a["depth"],
+                    a["feat"],
+                    a["ranks_depth"],
+                    a["ranks_feat"],
+                    a["ranks_bev"],
+                    a["bev_feat_shape"],
+                ),
+                atol=tol,
+                rtol=tol,
+                backward=dtype == torch.float32,
+            )
+        )
     v1 = bev_pool_inputs.bevfusion_inputs("tiny", batch=2, device=device, keep_out_of_range=True)
     shape = (v1["B"], v1["D"], v1["H"], v1["W"], v1["feats"].shape[1])
-    cases.append(registry.SelfCheckCase(
-        "tiny v1 mode (coords, out-of-range kept)",
-        (None, v1["feats"], None, None, v1["coords"].int(), shape), atol=1e-5, rtol=1e-5,
-        backward=True))
+    cases.append(
+        registry.SelfCheckCase(
+            "tiny v1 mode (coords, out-of-range kept)",
+            (None, v1["feats"], None, None, v1["coords"].int(), shape),
+            atol=1e-5,
+            rtol=1e-5,
+            backward=True,
+        )
+    )
     return cases
 
 
-registry.register(registry.OperatorSpec(
-    name=OP, family="bev", api=bev_pool_v3, reference=bev_pool_v3_reference,
-    native_entry_points=_NATIVE_ENTRY_POINTS, self_check_cases=_self_check_cases,
-    dtypes=("float32", "float16", "bfloat16"), backward="native",
-    upstream="DrivingSDK bev_pool_v3", models="BEVDet, BEVDepth, BEVFusion (DrivingSDK recipes)",
-    doc="docs/operators/bev_pool_v3.md"))
+registry.register(
+    registry.OperatorSpec(
+        name=OP,
+        family="bev",
+        api=bev_pool_v3,
+        reference=bev_pool_v3_reference,
+        native_entry_points=_NATIVE_ENTRY_POINTS,
+        self_check_cases=_self_check_cases,
+        dtypes=("float32", "float16", "bfloat16"),
+        backward="native",
+        upstream="DrivingSDK bev_pool_v3",
+        models="BEVDet, BEVDepth, BEVFusion (DrivingSDK recipes)",
+        doc="docs/operators/bev_pool_v3.md",
+    )
+)

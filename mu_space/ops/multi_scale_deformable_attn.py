@@ -69,8 +69,11 @@ OP_BACKWARD = "multi_scale_deformable_attn_backward"
 MAX_NATIVE_HEAD_DIM = 256
 MAX_NATIVE_LEVELS = 16
 MAX_NATIVE_LEVEL_POINTS = 1 << 20  # levels * points
-_ENTRY_POINTS = ("multi_scale_deformable_attn_forward", "multi_scale_deformable_attn_backward",
-                 "multi_scale_deformable_attn_backward_value_deterministic")
+_ENTRY_POINTS = (
+    "multi_scale_deformable_attn_forward",
+    "multi_scale_deformable_attn_backward",
+    "multi_scale_deformable_attn_backward_value_deterministic",
+)
 
 _CHANNELS_PER_THREAD = int(os.environ.get("MUSPACE_MSDA_CHANNELS_PER_THREAD", "0") or 0)
 _BLOCK_THREADS = int(os.environ.get("MUSPACE_MSDA_BLOCK_THREADS", "0") or 0)
@@ -82,17 +85,20 @@ _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-
-
 # --------------------------------------------------------------------------- validation
 
 
-def _check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
-                  attention_weights) -> tuple[int, int, int, int, int, int, int]:
+def _check_inputs(
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+) -> tuple[int, int, int, int, int, int, int]:
     """Types, dtypes, ranks and shape relations (no data reads). Returns bs, K, H, D, Q, L, P."""
-    named = (("value", value), ("value_spatial_shapes", spatial_shapes),
-             ("value_level_start_index", level_start_index),
-             ("sampling_locations", sampling_locations), ("attention_weights", attention_weights))
+    named = (
+        ("value", value),
+        ("value_spatial_shapes", spatial_shapes),
+        ("value_level_start_index", level_start_index),
+        ("sampling_locations", sampling_locations),
+        ("attention_weights", attention_weights),
+    )
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -100,35 +106,48 @@ def _check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
         raise TypeError(f"value must be a floating tensor, got {dtype_name(value.dtype)}")
     for name, t in named[3:]:
         if t.dtype != value.dtype:
-            raise TypeError(f"{name} must have the dtype of value ({dtype_name(value.dtype)}), "
-                            f"got {dtype_name(t.dtype)}")
+            raise TypeError(
+                f"{name} must have the dtype of value ({dtype_name(value.dtype)}), "
+                f"got {dtype_name(t.dtype)}"
+            )
     for name, t in named[1:3]:
         if t.dtype not in _INDEX_DTYPES:
             raise TypeError(f"{name} must be int32 or int64, got {dtype_name(t.dtype)}")
-    for name, t, ndim in (("value", value, 4), ("value_spatial_shapes", spatial_shapes, 2),
-                          ("value_level_start_index", level_start_index, 1),
-                          ("sampling_locations", sampling_locations, 6),
-                          ("attention_weights", attention_weights, 5)):
+    for name, t, ndim in (
+        ("value", value, 4),
+        ("value_spatial_shapes", spatial_shapes, 2),
+        ("value_level_start_index", level_start_index, 1),
+        ("sampling_locations", sampling_locations, 6),
+        ("attention_weights", attention_weights, 5),
+    ):
         if t.dim() != ndim:
             raise ValueError(f"{name} must be {ndim}-D, got {t.dim()}-D of shape {list(t.shape)}")
     bs, num_keys, heads, head_dim = value.shape
     levels = spatial_shapes.shape[0]
     if spatial_shapes.shape[1] != 2:
-        raise ValueError(f"value_spatial_shapes must have shape [num_levels, 2], got "
-                         f"{list(spatial_shapes.shape)}")
+        raise ValueError(
+            f"value_spatial_shapes must have shape [num_levels, 2], got "
+            f"{list(spatial_shapes.shape)}"
+        )
     if level_start_index.shape[0] != levels:
-        raise ValueError(f"value_level_start_index must have shape [num_levels] = [{levels}], got "
-                         f"{list(level_start_index.shape)}")
+        raise ValueError(
+            f"value_level_start_index must have shape [num_levels] = [{levels}], got "
+            f"{list(level_start_index.shape)}"
+        )
     _, queries, _, _, points, _ = sampling_locations.shape
     want = (bs, queries, heads, levels, points, 2)
     if tuple(sampling_locations.shape) != want:
-        raise ValueError(f"sampling_locations must have shape [bs, num_queries, num_heads, "
-                         f"num_levels, num_points, 2] = {list(want)}, got "
-                         f"{list(sampling_locations.shape)}")
+        raise ValueError(
+            f"sampling_locations must have shape [bs, num_queries, num_heads, "
+            f"num_levels, num_points, 2] = {list(want)}, got "
+            f"{list(sampling_locations.shape)}"
+        )
     if tuple(attention_weights.shape) != want[:5]:
-        raise ValueError(f"attention_weights must have shape [bs, num_queries, num_heads, "
-                         f"num_levels, num_points] = {list(want[:5])}, got "
-                         f"{list(attention_weights.shape)}")
+        raise ValueError(
+            f"attention_weights must have shape [bs, num_queries, num_heads, "
+            f"num_levels, num_points] = {list(want[:5])}, got "
+            f"{list(attention_weights.shape)}"
+        )
     for name, t in named[3:]:
         if t.device != value.device:
             raise ValueError(f"{name} must be on {value.device}, got {t.device}")
@@ -138,22 +157,30 @@ def _check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
     return bs, num_keys, heads, head_dim, queries, levels, points
 
 
-def _validate_levels(spatial_shapes, level_start_index, num_keys) -> tuple[tuple[int, int, int], ...]:
+def _validate_levels(
+    spatial_shapes, level_start_index, num_keys
+) -> tuple[tuple[int, int, int], ...]:
     """(h, w, start) per level after checking them against value; reads the tensors."""
     shapes = spatial_shapes.tolist()
     starts = level_start_index.tolist()
     for l, (h, w) in enumerate(shapes):
         if h < 1 or w < 1:
-            raise ValueError(f"value_spatial_shapes: every level needs h >= 1 and w >= 1, got "
-                             f"level {l} = ({h}, {w})")
+            raise ValueError(
+                f"value_spatial_shapes: every level needs h >= 1 and w >= 1, got "
+                f"level {l} = ({h}, {w})"
+            )
     sizes = [h * w for h, w in shapes]
     if sum(sizes) != num_keys:
-        raise ValueError(f"value_spatial_shapes do not match value: sum(h * w) = {sum(sizes)} "
-                         f"but value.shape[1] (num_keys) = {num_keys}")
+        raise ValueError(
+            f"value_spatial_shapes do not match value: sum(h * w) = {sum(sizes)} "
+            f"but value.shape[1] (num_keys) = {num_keys}"
+        )
     expected = [sum(sizes[:l]) for l in range(len(sizes))]
     if starts != expected:
-        raise ValueError(f"value_level_start_index must be the exclusive cumulative sum of "
-                         f"h * w over value_spatial_shapes ({expected}), got {starts}")
+        raise ValueError(
+            f"value_level_start_index must be the exclusive cumulative sum of "
+            f"h * w over value_spatial_shapes ({expected}), got {starts}"
+        )
     return tuple((h, w, s) for (h, w), s in zip(shapes, starts))
 
 
@@ -182,24 +209,37 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _level_meta(spatial_shapes, level_start_index, num_keys, device, *, need_levels=False) -> _LevelMeta:
+def _level_meta(
+    spatial_shapes, level_start_index, num_keys, device, *, need_levels=False
+) -> _LevelMeta:
     """Validated level metadata, with copies of the index tensors on `device`, cached per
     (tensor objects, in-place versions)."""
     key = (id(spatial_shapes), id(level_start_index), num_keys, device)
     versions = (_version(spatial_shapes), _version(level_start_index))
     meta = _LEVEL_CACHE.get(key)
-    if (meta is not None and meta.shapes_ref() is spatial_shapes
-            and meta.starts_ref() is level_start_index and meta.versions == versions
-            and (meta.levels is not None or not need_levels)):
+    if (
+        meta is not None
+        and meta.shapes_ref() is spatial_shapes
+        and meta.starts_ref() is level_start_index
+        and meta.versions == versions
+        and (meta.levels is not None or not need_levels)
+    ):
         return meta
     capturing = _capturing(device) or _capturing(spatial_shapes.device)
     if capturing and need_levels:
-        raise RuntimeError(f"{OP}: the reference path reads the level shapes on the host and "
-                           "cannot run under CUDA graph capture")
+        raise RuntimeError(
+            f"{OP}: the reference path reads the level shapes on the host and "
+            "cannot run under CUDA graph capture"
+        )
     levels = None if capturing else _validate_levels(spatial_shapes, level_start_index, num_keys)
-    meta = _LevelMeta(weakref.ref(spatial_shapes), weakref.ref(level_start_index), versions,
-                      levels, spatial_shapes.to(device).contiguous(),
-                      level_start_index.to(device).contiguous())
+    meta = _LevelMeta(
+        weakref.ref(spatial_shapes),
+        weakref.ref(level_start_index),
+        versions,
+        levels,
+        spatial_shapes.to(device).contiguous(),
+        level_start_index.to(device).contiguous(),
+    )
     if not capturing:
         if len(_LEVEL_CACHE) >= _LEVEL_CACHE_MAX:
             _LEVEL_CACHE.clear()
@@ -248,14 +288,17 @@ def _native_unsupported(value: torch.Tensor, head_dim: int, levels: int, points:
 # --------------------------------------------------------------------------- reference
 
 
-def multi_scale_deformable_attn_reference(value, value_spatial_shapes, value_level_start_index,
-                                          sampling_locations, attention_weights) -> torch.Tensor:
+def multi_scale_deformable_attn_reference(
+    value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights
+) -> torch.Tensor:
     """Vectorised PyTorch reference (one `F.grid_sample` per level; CPU and GPU; float64-capable;
     differentiable). float16 / bfloat16 inputs are computed in float32 and the result cast back."""
     bs, num_keys, heads, head_dim, queries, num_levels, points = _check_inputs(
-        value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights)
-    levels = _level_meta(value_spatial_shapes, value_level_start_index, num_keys, value.device,
-                         need_levels=True).levels
+        value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights
+    )
+    levels = _level_meta(
+        value_spatial_shapes, value_level_start_index, num_keys, value.device, need_levels=True
+    ).levels
     if bs * queries * heads * head_dim == 0:
         return value.new_zeros((bs, queries, heads * head_dim))
     compute = value.dtype if value.dtype in (torch.float32, torch.float64) else torch.float32
@@ -264,10 +307,11 @@ def multi_scale_deformable_attn_reference(value, value_spatial_shapes, value_lev
     attn = attention_weights.to(compute)
     out = None
     for l, (h, w, start) in enumerate(levels):
-        v_l = v[:, start:start + h * w].permute(0, 2, 3, 1).reshape(bs * heads, head_dim, h, w)
+        v_l = v[:, start : start + h * w].permute(0, 2, 3, 1).reshape(bs * heads, head_dim, h, w)
         g_l = grid[:, :, :, l].transpose(1, 2).reshape(bs * heads, queries, points, 2)
-        sampled = F.grid_sample(v_l, g_l, mode="bilinear", padding_mode="zeros",
-                                align_corners=False)  # [bs*heads, head_dim, queries, points]
+        sampled = F.grid_sample(
+            v_l, g_l, mode="bilinear", padding_mode="zeros", align_corners=False
+        )  # [bs*heads, head_dim, queries, points]
         a_l = attn[:, :, :, l].transpose(1, 2).reshape(bs * heads, 1, queries, points)
         term = (sampled * a_l).sum(-1)
         out = term if out is None else out + term
@@ -275,17 +319,24 @@ def multi_scale_deformable_attn_reference(value, value_spatial_shapes, value_lev
     return out.reshape(bs, queries, heads * head_dim).to(value.dtype).contiguous()
 
 
-def multi_scale_deformable_attn_reference_backward(grad_output, value, value_spatial_shapes,
-                                                   value_level_start_index, sampling_locations,
-                                                   attention_weights):
+def multi_scale_deformable_attn_reference_backward(
+    grad_output,
+    value,
+    value_spatial_shapes,
+    value_level_start_index,
+    sampling_locations,
+    attention_weights,
+):
     """Gradients (grad_value, grad_sampling_locations, grad_attention_weights) in closed form,
     vectorised per level (the reference path's backward; autograd cannot run inside a custom
     op). Same rule as the forward: corner weights of the bilinear sample, d(bilinear)/d(pixel
     coordinate) from the four corners, zero outside. float16 / bfloat16 compute in float32."""
     bs, num_keys, heads, head_dim, queries, num_levels, points = _check_inputs(
-        value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights)
-    levels = _level_meta(value_spatial_shapes, value_level_start_index, num_keys, value.device,
-                         need_levels=True).levels
+        value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights
+    )
+    levels = _level_meta(
+        value_spatial_shapes, value_level_start_index, num_keys, value.device, need_levels=True
+    ).levels
     compute = value.dtype if value.dtype in (torch.float32, torch.float64) else torch.float32
     v = value.to(compute)
     loc = sampling_locations.to(compute)
@@ -298,7 +349,7 @@ def multi_scale_deformable_attn_reference_backward(grad_output, value, value_spa
         return (grad_value.to(value.dtype), grad_loc.to(value.dtype), grad_attn.to(value.dtype))
     go = go[:, :, :, None, :]  # [bs, heads, queries, 1, head_dim]
     for l, (h, w, start) in enumerate(levels):
-        v_l = v[:, start:start + h * w].permute(0, 2, 1, 3)  # [bs, heads, h*w, head_dim]
+        v_l = v[:, start : start + h * w].permute(0, 2, 1, 3)  # [bs, heads, h*w, head_dim]
         x = loc[:, :, :, l, :, 0].transpose(1, 2) * w - 0.5  # [bs, heads, queries, points]
         y = loc[:, :, :, l, :, 1].transpose(1, 2) * h - 0.5
         a = attn[:, :, :, l].transpose(1, 2)
@@ -308,7 +359,7 @@ def multi_scale_deformable_attn_reference_backward(grad_output, value, value_spa
         x0, y0 = x.floor(), y.floor()
         lx, ly = x - x0, y - y0
         hx, hy = 1 - lx, 1 - ly
-        dots, cws, idxs, valids = [], [], [], []
+        dots = []
         g_v = torch.zeros_like(v_l)
         for dy, dx, cw in ((0, 0, hy * hx), (0, 1, hy * lx), (1, 0, ly * hx), (1, 1, ly * lx)):
             cy, cx = y0.long() + dy, x0.long() + dx
@@ -329,22 +380,34 @@ def multi_scale_deformable_attn_reference_backward(grad_output, value, value_spa
         grad_attn[:, :, :, l] = torch.where(inside, g_a, zero).transpose(1, 2)
         grad_loc[:, :, :, l, :, 0] = torch.where(inside, g_x, zero).transpose(1, 2)
         grad_loc[:, :, :, l, :, 1] = torch.where(inside, g_y, zero).transpose(1, 2)
-        grad_value[:, start:start + h * w] = g_v.permute(0, 2, 1, 3)
+        grad_value[:, start : start + h * w] = g_v.permute(0, 2, 1, 3)
     return grad_value.to(value.dtype), grad_loc.to(value.dtype), grad_attn.to(value.dtype)
 
 
 # --------------------------------------------------------------------------- native paths
 
 
-def _forward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-             attention_weights, backend: str) -> torch.Tensor:
+def _forward(
+    value,
+    value_spatial_shapes,
+    value_level_start_index,
+    sampling_locations,
+    attention_weights,
+    backend: str,
+) -> torch.Tensor:
     bs, num_keys, heads, head_dim, queries, levels, points = _check_inputs(
-        value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights)
-    if not kernel_dispatch.use_native(OP, backend, value.device,
-                                      _native_unsupported(value, head_dim, levels, points)):
-        return multi_scale_deformable_attn_reference(value, value_spatial_shapes,
-                                                     value_level_start_index, sampling_locations,
-                                                     attention_weights)
+        value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights
+    )
+    if not kernel_dispatch.use_native(
+        OP, backend, value.device, _native_unsupported(value, head_dim, levels, points)
+    ):
+        return multi_scale_deformable_attn_reference(
+            value,
+            value_spatial_shapes,
+            value_level_start_index,
+            sampling_locations,
+            attention_weights,
+        )
     meta = _level_meta(value_spatial_shapes, value_level_start_index, num_keys, value.device)
     with _no_fill():  # every element is written by the kernel
         out = torch.empty((bs, queries, heads * head_dim), dtype=value.dtype, device=value.device)
@@ -352,9 +415,16 @@ def _forward(value, value_spatial_shapes, value_level_start_index, sampling_loca
         return out
     # documented: a non-contiguous input costs one copy
     native.function("multi_scale_deformable_attn_forward")(
-        value.contiguous(), meta.device_shapes, meta.device_starts, sampling_locations.contiguous(),
-        attention_weights.contiguous(), out, _CHANNELS_PER_THREAD, _BLOCK_THREADS,
-        stream_handle(value))
+        value.contiguous(),
+        meta.device_shapes,
+        meta.device_starts,
+        sampling_locations.contiguous(),
+        attention_weights.contiguous(),
+        out,
+        _CHANNELS_PER_THREAD,
+        _BLOCK_THREADS,
+        stream_handle(value),
+    )
     return out
 
 
@@ -363,8 +433,11 @@ def _no_fill():
     """With deterministic algorithms on, PyTorch fills every new uninitialised tensor (NaN /
     max int) as a safety net. Buffers that the native kernels write in full skip that fill."""
     det_utils = getattr(torch.utils, "deterministic", None)
-    if det_utils is None or not torch.are_deterministic_algorithms_enabled() or \
-            not det_utils.fill_uninitialized_memory:
+    if (
+        det_utils is None
+        or not torch.are_deterministic_algorithms_enabled()
+        or not det_utils.fill_uninitialized_memory
+    ):
         yield
         return
     det_utils.fill_uninitialized_memory = False
@@ -378,20 +451,36 @@ def _key_space(bs: int, heads: int, num_keys: int, levels: int) -> int:
     return bs * heads * (3 * num_keys + 2 * levels)
 
 
-def _backward(grad_output, value, value_spatial_shapes, value_level_start_index,
-              sampling_locations, attention_weights, backend: str):
+def _backward(
+    grad_output,
+    value,
+    value_spatial_shapes,
+    value_level_start_index,
+    sampling_locations,
+    attention_weights,
+    backend: str,
+):
     bs, num_keys, heads, head_dim, queries, levels, points = _check_inputs(
-        value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights)
-    if not kernel_dispatch.use_native(OP_BACKWARD, backend, value.device,
-                                      _native_unsupported(value, head_dim, levels, points)):
+        value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights
+    )
+    if not kernel_dispatch.use_native(
+        OP_BACKWARD, backend, value.device, _native_unsupported(value, head_dim, levels, points)
+    ):
         return multi_scale_deformable_attn_reference_backward(
-            grad_output, value, value_spatial_shapes, value_level_start_index, sampling_locations,
-            attention_weights)
+            grad_output,
+            value,
+            value_spatial_shapes,
+            value_level_start_index,
+            sampling_locations,
+            attention_weights,
+        )
     meta = _level_meta(value_spatial_shapes, value_level_start_index, num_keys, value.device)
     if bs * queries * heads * head_dim == 0:  # nothing sampled: no launch
-        return (torch.zeros_like(value, memory_format=torch.contiguous_format),
-                torch.zeros_like(sampling_locations, memory_format=torch.contiguous_format),
-                torch.zeros_like(attention_weights, memory_format=torch.contiguous_format))
+        return (
+            torch.zeros_like(value, memory_format=torch.contiguous_format),
+            torch.zeros_like(sampling_locations, memory_format=torch.contiguous_format),
+            torch.zeros_like(attention_weights, memory_format=torch.contiguous_format),
+        )
     value = value.contiguous()
     sampling_locations = sampling_locations.contiguous()
     attention_weights = attention_weights.contiguous()
@@ -409,24 +498,63 @@ def _backward(grad_output, value, value_spatial_shapes, value_level_start_index,
         with _no_fill():  # every element of these is written by the kernels / the sort
             keys = torch.empty(sampling_locations.numel() // 2, dtype=key_dtype, device=device)
             cell_start = torch.empty(space + 1, dtype=torch.int64, device=device)
-        backward(grad_output, value, meta.device_shapes, meta.device_starts, sampling_locations,
-                 attention_weights, grad_value, grad_loc, grad_attn,
-                 torch.empty(0, dtype=torch.float32, device=device), keys, 1,
-                 _CHANNELS_PER_THREAD, _BLOCK_THREADS, stream)
+        backward(
+            grad_output,
+            value,
+            meta.device_shapes,
+            meta.device_starts,
+            sampling_locations,
+            attention_weights,
+            grad_value,
+            grad_loc,
+            grad_attn,
+            torch.empty(0, dtype=torch.float32, device=device),
+            keys,
+            1,
+            _CHANNELS_PER_THREAD,
+            _BLOCK_THREADS,
+            stream,
+        )
         with _no_fill():
             sorted_keys, perm = torch.sort(keys, stable=True)
         native.function("multi_scale_deformable_attn_backward_value_deterministic")(
-            grad_output, value, meta.device_shapes, meta.device_starts, sampling_locations,
-            attention_weights, sorted_keys, perm, cell_start, grad_value, _CHANNELS_PER_THREAD,
-            _BLOCK_THREADS, stream)
+            grad_output,
+            value,
+            meta.device_shapes,
+            meta.device_starts,
+            sampling_locations,
+            attention_weights,
+            sorted_keys,
+            perm,
+            cell_start,
+            grad_value,
+            _CHANNELS_PER_THREAD,
+            _BLOCK_THREADS,
+            stream,
+        )
     else:
-        workspace = (torch.empty(0, dtype=torch.float32, device=device)
-                     if value.dtype == torch.float32 else
-                     torch.empty(value.shape, dtype=torch.float32, device=device))
-        backward(grad_output, value, meta.device_shapes, meta.device_starts, sampling_locations,
-                 attention_weights, grad_value, grad_loc, grad_attn, workspace,
-                 torch.empty(0, dtype=torch.int32, device=device), _ATOMIC_MODE,
-                 _CHANNELS_PER_THREAD, _BLOCK_THREADS, stream)
+        workspace = (
+            torch.empty(0, dtype=torch.float32, device=device)
+            if value.dtype == torch.float32
+            else torch.empty(value.shape, dtype=torch.float32, device=device)
+        )
+        backward(
+            grad_output,
+            value,
+            meta.device_shapes,
+            meta.device_starts,
+            sampling_locations,
+            attention_weights,
+            grad_value,
+            grad_loc,
+            grad_attn,
+            workspace,
+            torch.empty(0, dtype=torch.int32, device=device),
+            _ATOMIC_MODE,
+            _CHANNELS_PER_THREAD,
+            _BLOCK_THREADS,
+            stream,
+        )
     return grad_value, grad_loc, grad_attn
 
 
@@ -434,51 +562,107 @@ def _backward(grad_output, value, value_spatial_shapes, value_level_start_index,
 
 
 @torch.library.custom_op("mu_space::multi_scale_deformable_attn", mutates_args=())
-def _msda_op(value: torch.Tensor, value_spatial_shapes: torch.Tensor,
-             value_level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
-             attention_weights: torch.Tensor, backend: str) -> torch.Tensor:
-    return _forward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                    attention_weights, backend)
+def _msda_op(
+    value: torch.Tensor,
+    value_spatial_shapes: torch.Tensor,
+    value_level_start_index: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    return _forward(
+        value,
+        value_spatial_shapes,
+        value_level_start_index,
+        sampling_locations,
+        attention_weights,
+        backend,
+    )
 
 
 @_msda_op.register_fake
-def _(value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
-      backend):
+def _(
+    value,
+    value_spatial_shapes,
+    value_level_start_index,
+    sampling_locations,
+    attention_weights,
+    backend,
+):
     bs, _, heads, head_dim = value.shape
     return value.new_empty((bs, sampling_locations.shape[1], heads * head_dim))
 
 
 @torch.library.custom_op("mu_space::multi_scale_deformable_attn_backward", mutates_args=())
-def _msda_backward_op(grad_output: torch.Tensor, value: torch.Tensor,
-                      value_spatial_shapes: torch.Tensor, value_level_start_index: torch.Tensor,
-                      sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
-                      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(grad_output, value, value_spatial_shapes, value_level_start_index,
-                     sampling_locations, attention_weights, backend)
+def _msda_backward_op(
+    grad_output: torch.Tensor,
+    value: torch.Tensor,
+    value_spatial_shapes: torch.Tensor,
+    value_level_start_index: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(
+        grad_output,
+        value,
+        value_spatial_shapes,
+        value_level_start_index,
+        sampling_locations,
+        attention_weights,
+        backend,
+    )
 
 
 @_msda_backward_op.register_fake
-def _(grad_output, value, value_spatial_shapes, value_level_start_index, sampling_locations,
-      attention_weights, backend):
-    return (value.new_empty(value.shape), sampling_locations.new_empty(sampling_locations.shape),
-            attention_weights.new_empty(attention_weights.shape))
+def _(
+    grad_output,
+    value,
+    value_spatial_shapes,
+    value_level_start_index,
+    sampling_locations,
+    attention_weights,
+    backend,
+):
+    return (
+        value.new_empty(value.shape),
+        sampling_locations.new_empty(sampling_locations.shape),
+        attention_weights.new_empty(attention_weights.shape),
+    )
 
 
 def _setup_context(ctx, inputs, output):
-    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend = inputs
-    ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations,
-                          attention_weights)
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend = (
+        inputs
+    )
+    ctx.save_for_backward(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    )
     ctx.backend = backend
 
 
 def _backward_fn(ctx, grad_output):
-    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
+        ctx.saved_tensors
+    )
     grad_value, grad_loc, grad_attn = torch.ops.mu_space.multi_scale_deformable_attn_backward(
-        grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-        attention_weights, ctx.backend)
+        grad_output,
+        value,
+        spatial_shapes,
+        level_start_index,
+        sampling_locations,
+        attention_weights,
+        ctx.backend,
+    )
     needs = ctx.needs_input_grad
-    return (grad_value if needs[0] else None, None, None, grad_loc if needs[3] else None,
-            grad_attn if needs[4] else None, None)
+    return (
+        grad_value if needs[0] else None,
+        None,
+        None,
+        grad_loc if needs[3] else None,
+        grad_attn if needs[4] else None,
+        None,
+    )
 
 
 _msda_op.register_autograd(_backward_fn, setup_context=_setup_context)
@@ -487,22 +671,44 @@ _msda_op.register_autograd(_backward_fn, setup_context=_setup_context)
 # --------------------------------------------------------------------------- public API
 
 
-def multi_scale_deformable_attn(value, value_spatial_shapes, value_level_start_index,
-                                sampling_locations, attention_weights, im2col_step=64, *,
-                                backend: str = "auto") -> torch.Tensor:
+def multi_scale_deformable_attn(
+    value,
+    value_spatial_shapes,
+    value_level_start_index,
+    sampling_locations,
+    attention_weights,
+    im2col_step=64,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Multi-scale deformable attention; mmcv `MultiScaleDeformableAttnFunction.apply` order.
 
     Shapes and semantics in the module docstring. `im2col_step` is accepted and ignored.
     Returns Tensor[bs, num_queries, num_heads * head_dim] in value's dtype.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+    if torch.compiler.is_compiling() or (
+        torch.is_grad_enabled()
+        and any(
             getattr(t, "requires_grad", False)
-            for t in (value, sampling_locations, attention_weights))):
+            for t in (value, sampling_locations, attention_weights)
+        )
+    ):
         return torch.ops.mu_space.multi_scale_deformable_attn(
-            value, value_spatial_shapes, value_level_start_index, sampling_locations,
-            attention_weights, backend)
-    return _forward(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                    attention_weights, backend)
+            value,
+            value_spatial_shapes,
+            value_level_start_index,
+            sampling_locations,
+            attention_weights,
+            backend,
+        )
+    return _forward(
+        value,
+        value_spatial_shapes,
+        value_level_start_index,
+        sampling_locations,
+        attention_weights,
+        backend,
+    )
 
 
 class MultiScaleDeformableAttnFunction:
@@ -510,10 +716,22 @@ class MultiScaleDeformableAttnFunction:
     in and `apply(...)` runs muSPACE's kernels with autograd through the custom op."""
 
     @staticmethod
-    def apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-              attention_weights, im2col_step=64):
-        return multi_scale_deformable_attn(value, value_spatial_shapes, value_level_start_index,
-                                           sampling_locations, attention_weights, im2col_step)
+    def apply(
+        value,
+        value_spatial_shapes,
+        value_level_start_index,
+        sampling_locations,
+        attention_weights,
+        im2col_step=64,
+    ):
+        return multi_scale_deformable_attn(
+            value,
+            value_spatial_shapes,
+            value_level_start_index,
+            sampling_locations,
+            attention_weights,
+            im2col_step,
+        )
 
 
 # --------------------------------------------------------------------------- registry
@@ -527,26 +745,47 @@ def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
         return value, shapes, starts, msda_inputs.nudge_off_pixel_edges(loc, shapes), attn
 
     cases = []
-    for dtype, atol, rtol in ((torch.float32, 1e-4, 1e-4), (torch.float16, 2e-2, 1e-2),
-                              (torch.bfloat16, 1e-1, 5e-2)):
+    for dtype, atol, rtol in (
+        (torch.float32, 1e-4, 1e-4),
+        (torch.float16, 2e-2, 1e-2),
+        (torch.bfloat16, 1e-1, 5e-2),
+    ):
         inputs = msda_inputs.make("tiny", dtype=dtype, device=device, seed=1)
-        cases.append(registry.SelfCheckCase(
-            f"tiny {dtype_name(dtype)}", nudged(inputs), atol=atol, rtol=rtol,
-            backward=dtype == torch.float32))
+        cases.append(
+            registry.SelfCheckCase(
+                f"tiny {dtype_name(dtype)}",
+                nudged(inputs),
+                atol=atol,
+                rtol=rtol,
+                backward=dtype == torch.float32,
+            )
+        )
     odd = msda_inputs.make(msda_inputs.CONFIGS["tiny"].with_(head_dim=3), device=device, seed=2)
-    cases.append(registry.SelfCheckCase("tiny head_dim 3", nudged(odd), atol=1e-4, rtol=1e-4,
-                                        backward=True))
+    cases.append(
+        registry.SelfCheckCase("tiny head_dim 3", nudged(odd), atol=1e-4, rtol=1e-4, backward=True)
+    )
     empty = msda_inputs.make(msda_inputs.CONFIGS["tiny"].with_(queries=0), device=device)
     cases.append(registry.SelfCheckCase("no queries", msda_inputs.args(empty)))
     return cases
 
 
-registry.register(registry.OperatorSpec(
-    name=OP, family="attention", api=multi_scale_deformable_attn,
-    reference=multi_scale_deformable_attn_reference, native_entry_points=_ENTRY_POINTS,
-    self_check_cases=_self_check_cases, dtypes=("float32", "float16", "bfloat16"),
-    backward="native", upstream="mmcv MultiScaleDeformableAttnFunction",
-    models="BEVFormer, Deformable DETR, MapTR",
-    patches=("mmcv.MultiScaleDeformableAttnFunction", "mmcv.multi_scale_deformable_attn_pytorch"),
-    recipes=("model_examples/BEVFormer",),
-    doc="docs/operators/multi_scale_deformable_attn.md"))
+registry.register(
+    registry.OperatorSpec(
+        name=OP,
+        family="attention",
+        api=multi_scale_deformable_attn,
+        reference=multi_scale_deformable_attn_reference,
+        native_entry_points=_ENTRY_POINTS,
+        self_check_cases=_self_check_cases,
+        dtypes=("float32", "float16", "bfloat16"),
+        backward="native",
+        upstream="mmcv MultiScaleDeformableAttnFunction",
+        models="BEVFormer, Deformable DETR, MapTR",
+        patches=(
+            "mmcv.MultiScaleDeformableAttnFunction",
+            "mmcv.multi_scale_deformable_attn_pytorch",
+        ),
+        recipes=("model_examples/BEVFormer",),
+        doc="docs/operators/multi_scale_deformable_attn.md",
+    )
+)

@@ -55,10 +55,14 @@ def resolve(path: str) -> tuple[Any, str, Any]:
             error = error or exc
             continue
         except Exception as exc:  # noqa: BLE001 - a broken upstream install is a skip, not a crash
-            raise PatchTargetMissing(f"importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+            raise PatchTargetMissing(
+                f"importing {module_name} failed: {type(exc).__name__}: {exc}"
+            ) from exc
         for attr in parts[split:-1]:
             if not hasattr(owner, attr):
-                raise PatchTargetMissing(f"{module_name} has no attribute path {'.'.join(parts[split:])}")
+                raise PatchTargetMissing(
+                    f"{module_name} has no attribute path {'.'.join(parts[split:])}"
+                )
             owner = getattr(owner, attr)
         break
     if owner is None:

@@ -35,11 +35,26 @@ VIEW_TRANSFORMER = "mmdet3d.models.necks.view_transformer.LSSViewTransformer"
 BEV_POOL_MODULE = "mmdet3d.ops.bev_pool.bev_pool"
 
 # Upstream parameter names each replacement was written against (checked by the prechecks).
-MSDA_FUNCTION_PARAMS = ("ctx", "value", "value_spatial_shapes", "value_level_start_index",
-                        "sampling_locations", "attention_weights", "im2col_step")
+MSDA_FUNCTION_PARAMS = (
+    "ctx",
+    "value",
+    "value_spatial_shapes",
+    "value_level_start_index",
+    "sampling_locations",
+    "attention_weights",
+    "im2col_step",
+)
 MSDA_PYTORCH_PARAMS = ("value", "value_spatial_shapes", "sampling_locations", "attention_weights")
-BEV_POOL_V2_PARAMS = ("depth", "feat", "ranks_depth", "ranks_feat", "ranks_bev", "bev_feat_shape",
-                      "interval_starts", "interval_lengths")
+BEV_POOL_V2_PARAMS = (
+    "depth",
+    "feat",
+    "ranks_depth",
+    "ranks_feat",
+    "ranks_bev",
+    "bev_feat_shape",
+    "interval_starts",
+    "interval_lengths",
+)
 PREPARE_V2_PARAMS = ("self", "coor")
 BEV_POOL_PARAMS = ("feats", "coords", "B", "D", "H", "W")
 
@@ -57,8 +72,9 @@ def _parameter_names(fn: Any) -> tuple[str, ...] | None:
         return None
 
 
-def _signature_check(expected: tuple[str, ...], *, attribute: str | None = None
-                     ) -> Callable[[Any], str | None]:
+def _signature_check(
+    expected: tuple[str, ...], *, attribute: str | None = None
+) -> Callable[[Any], str | None]:
     """A precheck: the upstream callable (or its `attribute`, e.g. an autograd.Function's
     `forward`) must have exactly the parameter names `expected`, and must not already be a
     muSPACE replacement (a second patcher applied on top of a first one)."""
@@ -76,8 +92,10 @@ def _signature_check(expected: tuple[str, ...], *, attribute: str | None = None
         if names is None:
             return "upstream signature cannot be inspected"
         if names != expected:
-            return (f"upstream signature ({', '.join(names)}) differs from the supported "
-                    f"({', '.join(expected)})")
+            return (
+                f"upstream signature ({', '.join(names)}) differs from the supported "
+                f"({', '.join(expected)})"
+            )
         return None
 
     return check
@@ -103,16 +121,28 @@ def _msda_function(backend: str) -> Callable[[Any], Any]:
             value's dtype first (mixed precision); im2col_step is accepted and ignored."""
 
             @staticmethod
-            def apply(value, value_spatial_shapes, value_level_start_index, sampling_locations,
-                      attention_weights, im2col_step=64):
+            def apply(
+                value,
+                value_spatial_shapes,
+                value_level_start_index,
+                sampling_locations,
+                attention_weights,
+                im2col_step=64,
+            ):
                 return mu_space.multi_scale_deformable_attn(
-                    value, value_spatial_shapes, value_level_start_index,
-                    sampling_locations.type_as(value), attention_weights.type_as(value),
-                    im2col_step, backend=backend)
+                    value,
+                    value_spatial_shapes,
+                    value_level_start_index,
+                    sampling_locations.type_as(value),
+                    attention_weights.type_as(value),
+                    im2col_step,
+                    backend=backend,
+                )
 
         MultiScaleDeformableAttnFunction.__module__ = __name__
-        return _mark(MultiScaleDeformableAttnFunction, "mmcv.MultiScaleDeformableAttnFunction",
-                     original)
+        return _mark(
+            MultiScaleDeformableAttnFunction, "mmcv.MultiScaleDeformableAttnFunction", original
+        )
 
     return make
 
@@ -147,19 +177,28 @@ def _msda_pytorch(backend: str) -> Callable[[Any], Any]:
     def make(original: Any) -> Any:
         level_starts = _LevelStarts()
 
-        def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_locations,
-                                                attention_weights):
+        def multi_scale_deformable_attn_pytorch(
+            value, value_spatial_shapes, sampling_locations, attention_weights
+        ):
             """muSPACE replacement of mmcv's `multi_scale_deformable_attn_pytorch` (same
             arguments, Tensor[bs, num_queries, num_heads * head_dim] in value's dtype)."""
             shapes = value_spatial_shapes
             if not isinstance(shapes, torch.Tensor):  # upstream also takes a list of (h, w)
                 shapes = torch.as_tensor([[int(h), int(w)] for h, w in shapes], dtype=torch.int64)
             return mu_space.multi_scale_deformable_attn(
-                value, shapes, level_starts(shapes), sampling_locations.type_as(value),
-                attention_weights.type_as(value), backend=backend)
+                value,
+                shapes,
+                level_starts(shapes),
+                sampling_locations.type_as(value),
+                attention_weights.type_as(value),
+                backend=backend,
+            )
 
-        return _mark(multi_scale_deformable_attn_pytorch,
-                     "mmcv.multi_scale_deformable_attn_pytorch", original)
+        return _mark(
+            multi_scale_deformable_attn_pytorch,
+            "mmcv.multi_scale_deformable_attn_pytorch",
+            original,
+        )
 
     return make
 
@@ -169,14 +208,29 @@ def _msda_pytorch(backend: str) -> Callable[[Any], Any]:
 
 def _bev_pool_v2(backend: str) -> Callable[[Any], Any]:
     def make(original: Any) -> Any:
-        def bev_pool_v2(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape,
-                        interval_starts, interval_lengths):
+        def bev_pool_v2(
+            depth,
+            feat,
+            ranks_depth,
+            ranks_feat,
+            ranks_bev,
+            bev_feat_shape,
+            interval_starts,
+            interval_lengths,
+        ):
             """muSPACE replacement of BEVDet's `bev_pool_v2`: Tensor[B, C, Z, Y, X], float32
             like upstream (depth and feat are computed in float32, ranks taken as int32)."""
-            return mu_space.bev_pool_v2(depth.float(), feat.float(), ranks_depth.int(),
-                                        ranks_feat.int(), ranks_bev.int(), bev_feat_shape,
-                                        interval_starts.int(), interval_lengths.int(),
-                                        backend=backend)
+            return mu_space.bev_pool_v2(
+                depth.float(),
+                feat.float(),
+                ranks_depth.int(),
+                ranks_feat.int(),
+                ranks_bev.int(),
+                bev_feat_shape,
+                interval_starts.int(),
+                interval_lengths.int(),
+                backend=backend,
+            )
 
         return _mark(bev_pool_v2, "bevdet.bev_pool_v2", original)
 
@@ -186,14 +240,16 @@ def _bev_pool_v2(backend: str) -> Callable[[Any], Any]:
 def _integral_grid(module: Any) -> tuple | None:
     """(grid_lower_bound, grid_interval, grid_size) of a BEVDet view transformer, or None when
     the instance has not got them or its grid_size is not integral (then upstream runs)."""
-    grid = tuple(getattr(module, name, None)
-                 for name in ("grid_lower_bound", "grid_interval", "grid_size"))
+    grid = tuple(
+        getattr(module, name, None) for name in ("grid_lower_bound", "grid_interval", "grid_size")
+    )
     if any(v is None for v in grid):
         return None
     size = grid[2]
     values = size.detach().reshape(-1).tolist() if isinstance(size, torch.Tensor) else list(size)
-    if len(values) != 3 or not all(math.isfinite(float(v)) and float(v).is_integer()
-                                   for v in values):
+    if len(values) != 3 or not all(
+        math.isfinite(float(v)) and float(v).is_integer() for v in values
+    ):
         return None
     return grid
 
@@ -235,8 +291,9 @@ def _bev_pool(backend: str) -> Callable[[Any], Any]:
         def bev_pool(feats, coords, B, D, H, W):
             """muSPACE replacement of BEVFusion's `bev_pool`: Tensor[B, C, D, H, W] in feats'
             dtype; coords (x, y, z, batch) index (H, W, D, B)."""
-            return mu_space.bev_pool(feats, coords, _dim(B), _dim(D), _dim(H), _dim(W),
-                                     backend=backend)
+            return mu_space.bev_pool(
+                feats, coords, _dim(B), _dim(D), _dim(H), _dim(W), backend=backend
+            )
 
         return _mark(bev_pool, "bevfusion.bev_pool", original)
 
@@ -250,38 +307,57 @@ def default_patches(*, backend: str = "auto") -> list[Patch]:
     """Fresh Patch objects for the upstream call sites muSPACE replaces (docs/patcher.md).
     `backend` is passed to every muSPACE call ("auto", "native", "reference", ...)."""
     return [
-        Patch("mmcv.MultiScaleDeformableAttnFunction",
-              f"{MSDA_MODULE}.MultiScaleDeformableAttnFunction", _msda_function(backend),
-              aliases=("mmcv.ops.MultiScaleDeformableAttnFunction",),
-              precheck=_signature_check(MSDA_FUNCTION_PARAMS, attribute="forward"),
-              description="mmcv 1.x / 2.x multi-scale deformable attention (forward and "
-                          "backward) -> mu_space.multi_scale_deformable_attn"),
-        Patch("mmcv.multi_scale_deformable_attn_pytorch",
-              f"{MSDA_MODULE}.multi_scale_deformable_attn_pytorch", _msda_pytorch(backend),
-              aliases=("mmcv.ops.multi_scale_deformable_attn_pytorch",),
-              precheck=_signature_check(MSDA_PYTORCH_PARAMS), enabled=False,
-              description="mmcv's pure-PyTorch MSDA path (off by default: it is upstream's "
-                          "reference) -> mu_space.multi_scale_deformable_attn"),
-        Patch("bevdet.bev_pool_v2", f"{BEV_POOL_V2_MODULE}.bev_pool_v2", _bev_pool_v2(backend),
-              aliases=("mmdet3d.ops.bev_pool_v2.bev_pool_v2", "mmdet3d.ops.bev_pool_v2"),
-              precheck=_signature_check(BEV_POOL_V2_PARAMS),
-              description="BEVDet dev2.0 bev_pool_v2 -> mu_space.bev_pool_v2"),
-        Patch("bevdet.voxel_pooling_prepare_v2", f"{VIEW_TRANSFORMER}.voxel_pooling_prepare_v2",
-              _voxel_pooling_prepare_v2(backend), precheck=_signature_check(PREPARE_V2_PARAMS),
-              description="BEVDet dev2.0 LSSViewTransformer.voxel_pooling_prepare_v2 -> "
-                          "mu_space.bev_pool_prepare"),
-        Patch("bevfusion.bev_pool", f"{BEV_POOL_MODULE}.bev_pool", _bev_pool(backend),
-              aliases=("mmdet3d.ops.bev_pool.bev_pool", "mmdet3d.ops.bev_pool"),
-              precheck=_signature_check(BEV_POOL_PARAMS),
-              description="BEVFusion bev_pool -> mu_space.bev_pool"),
+        Patch(
+            "mmcv.MultiScaleDeformableAttnFunction",
+            f"{MSDA_MODULE}.MultiScaleDeformableAttnFunction",
+            _msda_function(backend),
+            aliases=("mmcv.ops.MultiScaleDeformableAttnFunction",),
+            precheck=_signature_check(MSDA_FUNCTION_PARAMS, attribute="forward"),
+            description="mmcv 1.x / 2.x multi-scale deformable attention (forward and "
+            "backward) -> mu_space.multi_scale_deformable_attn",
+        ),
+        Patch(
+            "mmcv.multi_scale_deformable_attn_pytorch",
+            f"{MSDA_MODULE}.multi_scale_deformable_attn_pytorch",
+            _msda_pytorch(backend),
+            aliases=("mmcv.ops.multi_scale_deformable_attn_pytorch",),
+            precheck=_signature_check(MSDA_PYTORCH_PARAMS),
+            enabled=False,
+            description="mmcv's pure-PyTorch MSDA path (off by default: it is upstream's "
+            "reference) -> mu_space.multi_scale_deformable_attn",
+        ),
+        Patch(
+            "bevdet.bev_pool_v2",
+            f"{BEV_POOL_V2_MODULE}.bev_pool_v2",
+            _bev_pool_v2(backend),
+            aliases=("mmdet3d.ops.bev_pool_v2.bev_pool_v2", "mmdet3d.ops.bev_pool_v2"),
+            precheck=_signature_check(BEV_POOL_V2_PARAMS),
+            description="BEVDet dev2.0 bev_pool_v2 -> mu_space.bev_pool_v2",
+        ),
+        Patch(
+            "bevdet.voxel_pooling_prepare_v2",
+            f"{VIEW_TRANSFORMER}.voxel_pooling_prepare_v2",
+            _voxel_pooling_prepare_v2(backend),
+            precheck=_signature_check(PREPARE_V2_PARAMS),
+            description="BEVDet dev2.0 LSSViewTransformer.voxel_pooling_prepare_v2 -> "
+            "mu_space.bev_pool_prepare",
+        ),
+        Patch(
+            "bevfusion.bev_pool",
+            f"{BEV_POOL_MODULE}.bev_pool",
+            _bev_pool(backend),
+            aliases=("mmdet3d.ops.bev_pool.bev_pool", "mmdet3d.ops.bev_pool"),
+            precheck=_signature_check(BEV_POOL_PARAMS),
+            description="BEVFusion bev_pool -> mu_space.bev_pool",
+        ),
     ]
 
 
 def default_patcher(*, backend: str = "auto") -> Patcher:
     """A new Patcher holding `default_patches(backend=backend)`; nothing is applied yet.
 
-        patcher = default_patcher()
-        patcher.apply()          # or: with default_patcher(): ...
-        print(patcher.report())
+    patcher = default_patcher()
+    patcher.apply()          # or: with default_patcher(): ...
+    print(patcher.report())
     """
     return Patcher(default_patches(backend=backend))

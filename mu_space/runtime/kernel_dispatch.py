@@ -80,8 +80,10 @@ def use_native(op: str, backend: str, device: torch.device, unsupported: str | N
 
 
 def records() -> list[dict]:
-    return [{"op": op, "backend": backend, "reason": reason, "calls": calls}
-            for (op, backend, reason), calls in sorted(_counts.items())]
+    return [
+        {"op": op, "backend": backend, "reason": reason, "calls": calls}
+        for (op, backend, reason), calls in sorted(_counts.items())
+    ]
 
 
 def reset() -> None:
@@ -96,7 +98,9 @@ def report() -> str:
     header = ("op", "backend", "calls", "reason")
     table = [header] + [(r["op"], r["backend"], str(r["calls"]), r["reason"]) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3]
-             for row in table]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3]
+        for row in table
+    ]
     lines.insert(1, "-" * len(lines[0]))
     return "dispatch report:\n" + "\n".join(lines)

@@ -66,13 +66,26 @@ def _load() -> NativeStatus:
     except Exception as exc:  # noqa: BLE001 - report any import failure as the reason
         return NativeStatus(False, False, reason=f"apache-tvm-ffi cannot be imported: {exc}")
     if not lib.exists():
-        return NativeStatus(False, False, tvm_ffi_runtime=tvm_version, reason=(
-            f"native library not built ({lib} is missing: the install found no GPU toolchain "
-            "or MUSPACE_NATIVE=0; see `python build_utils.py --plan`)"))
+        return NativeStatus(
+            False,
+            False,
+            tvm_ffi_runtime=tvm_version,
+            reason=(
+                f"native library not built ({lib} is missing: the install found no GPU toolchain "
+                "or MUSPACE_NATIVE=0; see `python build_utils.py --plan`)"
+            ),
+        )
     info = _read_build_info(lib)
-    status = NativeStatus(True, False, backend=info.get("backend"), archs=info.get("archs", []),
-                          tvm_ffi_built=info.get("tvm_ffi_version"), tvm_ffi_runtime=tvm_version,
-                          path=str(lib), build_info=info)
+    status = NativeStatus(
+        True,
+        False,
+        backend=info.get("backend"),
+        archs=info.get("archs", []),
+        tvm_ffi_built=info.get("tvm_ffi_version"),
+        tvm_ffi_runtime=tvm_version,
+        path=str(lib),
+        build_info=info,
+    )
     try:
         _module = tvm_ffi.load_module(str(lib))
         status.backend = str(_module.build_backend())
@@ -125,8 +138,10 @@ def _arch_reason(backend: str, archs: list[str], device: torch.device) -> str | 
     # PTX of the newest built arch is embedded, so newer devices can JIT it.
     if device_arch in sass or int(device_arch) > max(int(a) for a in sass):
         return None
-    return (f"native library built for sm_{','.join(archs)}; {device} is sm_{device_arch} "
-            "(rebuild with CUDA_ARCH=" + device_arch + ")")
+    return (
+        f"native library built for sm_{','.join(archs)}; {device} is sm_{device_arch} "
+        "(rebuild with CUDA_ARCH=" + device_arch + ")"
+    )
 
 
 def _compute_reason(device: torch.device) -> str | None:

@@ -73,13 +73,20 @@ def operator_matrix_markdown() -> str:
     ]
     for s in operators(public_only=True):
         doc = f"[{s.doc}]({s.doc.removeprefix('docs/')})" if s.doc else ""
-        adoption = "; ".join(part for part in (
-            ", ".join(f"`{p}`" for p in s.patches),
-            ", ".join(f"[{r.rsplit('/', 1)[-1]}](../{r}/README.md)" for r in s.recipes)) if part)
+        adoption = "; ".join(
+            part
+            for part in (
+                ", ".join(f"`{p}`" for p in s.patches),
+                ", ".join(f"[{r.rsplit('/', 1)[-1]}](../{r}/README.md)" for r in s.recipes),
+            )
+            if part
+        )
         models = f"{s.models} ({adoption})" if adoption else s.models
-        lines.append(f"| `{s.name}` | {s.family} | {', '.join(s.dtypes)} | "
-                     f"{', '.join(f'`{e}`' for e in s.native_entry_points)} | {s.backward} | "
-                     f"{s.upstream} | {models} | {doc} |")
+        lines.append(
+            f"| `{s.name}` | {s.family} | {', '.join(s.dtypes)} | "
+            f"{', '.join(f'`{e}`' for e in s.native_entry_points)} | {s.backward} | "
+            f"{s.upstream} | {models} | {doc} |"
+        )
     if not operators(public_only=True):
         lines.append("| (none yet) | | | | | | | |")
     return "\n".join(lines) + "\n"

@@ -73,13 +73,27 @@ CONFIGS = {
     "bevdet-r50-d88": BEVConfig("bevdet-r50-d88", depth=(1.0, 45.0, 0.5), channels=80),
     "bevdet-d118": BEVConfig("bevdet-d118", depth=(1.0, 60.0, 0.5), channels=80),
     # BEVFusion camera branch: 256x704 input, 32x88 features, 0.3 m cells on a 360x360 grid.
-    "bevfusion-cam": BEVConfig("bevfusion-cam", feature_hw=(32, 88), depth=(1.0, 60.0, 0.5),
-                               channels=80, x=(-54.0, 54.0, 0.3), y=(-54.0, 54.0, 0.3),
-                               z=(-10.0, 10.0, 20.0)),
+    "bevfusion-cam": BEVConfig(
+        "bevfusion-cam",
+        feature_hw=(32, 88),
+        depth=(1.0, 60.0, 0.5),
+        channels=80,
+        x=(-54.0, 54.0, 0.3),
+        y=(-54.0, 54.0, 0.3),
+        z=(-10.0, 10.0, 20.0),
+    ),
     # Small enough for float64 gradcheck and CPU tests, same geometry.
-    "tiny": BEVConfig("tiny", cameras=6, image_hw=(64, 176), feature_hw=(4, 11),
-                      depth=(1.0, 41.0, 4.0), channels=5, x=(-40.0, 40.0, 4.0),
-                      y=(-40.0, 40.0, 4.0), z=(-5.0, 3.0, 8.0)),
+    "tiny": BEVConfig(
+        "tiny",
+        cameras=6,
+        image_hw=(64, 176),
+        feature_hw=(4, 11),
+        depth=(1.0, 41.0, 4.0),
+        channels=5,
+        x=(-40.0, 40.0, 4.0),
+        y=(-40.0, 40.0, 4.0),
+        z=(-5.0, 3.0, 8.0),
+    ),
 }
 
 
@@ -89,7 +103,9 @@ def intrinsics(cfg: BEVConfig, focal_scale: float = 1.0) -> torch.Tensor:
     h, w = cfg.image_hw
     scale = w / 1600.0
     f = 1266.0 * scale * focal_scale
-    return torch.tensor([[f, 0.0, w / 2.0], [0.0, f, h * 0.3], [0.0, 0.0, 1.0]], dtype=torch.float64)
+    return torch.tensor(
+        [[f, 0.0, w / 2.0], [0.0, f, h * 0.3], [0.0, 0.0, 1.0]], dtype=torch.float64
+    )
 
 
 def camera_to_ego(yaw_deg: float, x: float, y: float) -> torch.Tensor:
@@ -104,8 +120,14 @@ def camera_to_ego(yaw_deg: float, x: float, y: float) -> torch.Tensor:
     return t
 
 
-def frustum_points(cfg: BEVConfig, *, jitter: float = 0.0, generator: torch.Generator | None = None,
-                   device="cpu", dtype=torch.float32) -> torch.Tensor:
+def frustum_points(
+    cfg: BEVConfig,
+    *,
+    jitter: float = 0.0,
+    generator: torch.Generator | None = None,
+    device="cpu",
+    dtype=torch.float32,
+) -> torch.Tensor:
     """Ego-frame coordinates `coor[B, N, D, H, W, 3]` of every lifted frustum point.
 
     `jitter` (metres, std) perturbs each camera's mounting per batch element, as different
@@ -133,8 +155,14 @@ def frustum_points(cfg: BEVConfig, *, jitter: float = 0.0, generator: torch.Gene
     return out.to(device=device, dtype=dtype)
 
 
-def make(cfg_or_name: BEVConfig | str, *, batch: int | None = None, seed: int = 0, device="cpu",
-         dtype=torch.float32) -> dict:
+def make(
+    cfg_or_name: BEVConfig | str,
+    *,
+    batch: int | None = None,
+    seed: int = 0,
+    device="cpu",
+    dtype=torch.float32,
+) -> dict:
     """Everything a BEV pooling call needs: geometry plus softmaxed depth and features.
 
     Returns a dict with `coor [B,N,D,H,W,3]`, `depth [B,N,D,H,W]` (softmax over D, as the depth

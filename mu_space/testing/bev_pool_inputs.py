@@ -20,9 +20,16 @@ def _config(cfg_or_name, channels: int | None):
     return cfg
 
 
-def bevfusion_inputs(cfg_or_name="bevfusion-cam", *, batch: int | None = None, seed: int = 0,
-                     channels: int | None = None, dtype=torch.float32, device="cpu",
-                     keep_out_of_range: bool = False) -> dict:
+def bevfusion_inputs(
+    cfg_or_name="bevfusion-cam",
+    *,
+    batch: int | None = None,
+    seed: int = 0,
+    channels: int | None = None,
+    dtype=torch.float32,
+    device="cpu",
+    keep_out_of_range: bool = False,
+) -> dict:
     """`feats[n, C]`, `coords[n, 4]` int64 (x, y, z, batch) and B, D, H, W for `bev_pool`.
 
     As BEVFusion's vtransform: x = depth[:, :, :, None] * feat[:, :, None] (the lifted frustum
@@ -49,13 +56,27 @@ def bevfusion_inputs(cfg_or_name="bevfusion-cam", *, batch: int | None = None, s
     if not keep_out_of_range:
         kept = ((geom >= 0) & (geom < torch.tensor(nx, device=device))).all(dim=1)
         x, coords = x[kept], coords[kept]
-    return {"feats": x.to(dtype).contiguous(), "coords": coords.contiguous(), "B": B,
-            "D": nx[2], "H": nx[0], "W": nx[1], "config": cfg}
+    return {
+        "feats": x.to(dtype).contiguous(),
+        "coords": coords.contiguous(),
+        "B": B,
+        "D": nx[2],
+        "H": nx[0],
+        "W": nx[1],
+        "config": cfg,
+    }
 
 
-def bevdet_ranks(cfg_or_name="bevdet-r50", *, batch: int | None = None, seed: int = 0,
-                 channels: int | None = None, dtype=torch.float32, device="cpu",
-                 shuffle: bool = False) -> dict:
+def bevdet_ranks(
+    cfg_or_name="bevdet-r50",
+    *,
+    batch: int | None = None,
+    seed: int = 0,
+    channels: int | None = None,
+    dtype=torch.float32,
+    device="cpu",
+    shuffle: bool = False,
+) -> dict:
     """`depth, feat, ranks_depth, ranks_feat, ranks_bev` (int32, NOT sorted) and bev_feat_shape.
 
     As BEVDet's voxel_pooling_prepare_v2 up to (not including) its argsort: coor =
@@ -68,8 +89,12 @@ def bevdet_ranks(cfg_or_name="bevdet-r50", *, batch: int | None = None, seed: in
     B, N, D, H, W = g["depth"].shape
     X, Y, Z = cfg.grid_size
     ranks_depth = torch.arange(B * N * D * H * W, device=device)
-    ranks_feat = torch.arange(B * N * H * W, device=device).reshape(B, N, 1, H, W) \
-        .expand(B, N, D, H, W).reshape(-1)
+    ranks_feat = (
+        torch.arange(B * N * H * W, device=device)
+        .reshape(B, N, 1, H, W)
+        .expand(B, N, D, H, W)
+        .reshape(-1)
+    )
     lower = torch.tensor(cfg.grid_lower_bound, dtype=torch.float32, device=device)
     interval = torch.tensor(cfg.grid_interval, dtype=torch.float32, device=device)
     coor = ((g["coor"].to(torch.float32) - lower) / interval).long().reshape(-1, 3)
@@ -82,6 +107,12 @@ def bevdet_ranks(cfg_or_name="bevdet-r50", *, batch: int | None = None, seed: in
         gen = torch.Generator().manual_seed(seed + 1)
         perm = torch.randperm(ranks_bev.shape[0], generator=gen).to(device)
         ranks_depth, ranks_feat, ranks_bev = ranks_depth[perm], ranks_feat[perm], ranks_bev[perm]
-    return {"depth": g["depth"], "feat": g["feat"], "ranks_depth": ranks_depth.int(),
-            "ranks_feat": ranks_feat.int(), "ranks_bev": ranks_bev.int(),
-            "bev_feat_shape": cfg.bev_feat_shape, "config": cfg}
+    return {
+        "depth": g["depth"],
+        "feat": g["feat"],
+        "ranks_depth": ranks_depth.int(),
+        "ranks_feat": ranks_feat.int(),
+        "ranks_bev": ranks_bev.int(),
+        "bev_feat_shape": cfg.bev_feat_shape,
+        "config": cfg,
+    }

@@ -45,7 +45,7 @@ class MSDAConfig:
     def num_keys(self) -> int:
         return sum(h * w for h, w in self.levels)
 
-    def with_(self, **changes) -> "MSDAConfig":
+    def with_(self, **changes) -> MSDAConfig:
         """A copy with fields replaced (the query grid follows a change of `queries`)."""
         cfg = replace(self, **changes)
         if "queries" in changes and "query_grid" not in changes:
@@ -64,19 +64,38 @@ def _grid_for(queries: int, like: tuple[int, int]) -> tuple[int, int]:
 
 
 CONFIGS = {
-    "bevformer-base-tsa": MSDAConfig("bevformer-base-tsa", 2, 40000, 8, 32, ((200, 200),), 4,
-                                     (200, 200)),
-    "bevformer-base-sca": MSDAConfig("bevformer-base-sca", 6, 10000, 8, 32,
-                                     ((116, 200), (58, 100), (29, 50), (15, 25)), 8, (100, 100)),
-    "deformable-detr": MSDAConfig("deformable-detr", 1, 15200, 8, 32,
-                                  ((100, 152), (50, 76), (25, 38), (13, 19)), 8, (100, 152)),
+    "bevformer-base-tsa": MSDAConfig(
+        "bevformer-base-tsa", 2, 40000, 8, 32, ((200, 200),), 4, (200, 200)
+    ),
+    "bevformer-base-sca": MSDAConfig(
+        "bevformer-base-sca",
+        6,
+        10000,
+        8,
+        32,
+        ((116, 200), (58, 100), (29, 50), (15, 25)),
+        8,
+        (100, 100),
+    ),
+    "deformable-detr": MSDAConfig(
+        "deformable-detr",
+        1,
+        15200,
+        8,
+        32,
+        ((100, 152), (50, 76), (25, 38), (13, 19)),
+        8,
+        (100, 152),
+    ),
     "tiny": MSDAConfig("tiny", 2, 24, 2, 8, ((6, 9), (3, 5)), 4, (4, 6)),
 }
 
 BENCHMARK_CONFIGS = ("bevformer-base-tsa", "bevformer-base-sca", "deformable-detr")
 
 
-def scaled(cfg: MSDAConfig | str, *, queries: int | None = None, batch: int | None = None) -> MSDAConfig:
+def scaled(
+    cfg: MSDAConfig | str, *, queries: int | None = None, batch: int | None = None
+) -> MSDAConfig:
     """`cfg` with another number of queries (grid of the same aspect) and/or batch, for sweeps."""
     cfg = CONFIGS[cfg] if isinstance(cfg, str) else cfg
     changes = {}
@@ -102,19 +121,27 @@ def sampling_locations(cfg: MSDAConfig, generator: torch.Generator) -> torch.Ten
     b, q, nh, nl, npt = cfg.batch, cfg.queries, cfg.heads, len(cfg.levels), cfg.points
     rows, cols = cfg.query_grid
     idx = torch.arange(q, dtype=torch.float64)
-    ref = torch.stack([(idx % cols + 0.5) / cols, (torch.div(idx, cols, rounding_mode="floor") + 0.5) / rows], -1)
+    ref = torch.stack(
+        [(idx % cols + 0.5) / cols, (torch.div(idx, cols, rounding_mode="floor") + 0.5) / rows], -1
+    )
     theta = torch.arange(nh, dtype=torch.float64) * (2.0 * math.pi / nh)
     direction = torch.stack([theta.cos(), theta.sin()], -1)
-    direction = direction / direction.abs().max(-1, keepdim=True).values  # Deformable DETR grid_init
+    direction = (
+        direction / direction.abs().max(-1, keepdim=True).values
+    )  # Deformable DETR grid_init
     scale = torch.arange(1, npt + 1, dtype=torch.float64)
     offsets = direction[:, None, :] * scale[None, :, None]  # pixels, [heads, points, 2]
     offsets = offsets[None, None, :, None].expand(b, q, nh, nl, npt, 2)
-    offsets = offsets + cfg.offset_noise * torch.randn(b, q, nh, nl, npt, 2, generator=generator,
-                                                       dtype=torch.float64)
+    offsets = offsets + cfg.offset_noise * torch.randn(
+        b, q, nh, nl, npt, 2, generator=generator, dtype=torch.float64
+    )
     size = torch.tensor([[w, h] for h, w in cfg.levels], dtype=torch.float64)  # (x, y) normaliser
     loc = ref[None, :, None, None, None, :] + offsets / size[None, None, None, :, None, :]
     if cfg.outside_fraction > 0 and loc.numel():
-        pick = torch.rand(loc.shape[:-1], generator=generator, dtype=torch.float64) < cfg.outside_fraction
+        pick = (
+            torch.rand(loc.shape[:-1], generator=generator, dtype=torch.float64)
+            < cfg.outside_fraction
+        )
         axis = torch.rand(loc.shape[:-1], generator=generator) < 0.5  # push x or y
         side = torch.rand(loc.shape[:-1], generator=generator) < 0.5  # before 0 or after 1
         depth = 0.08 * torch.rand(loc.shape[:-1], generator=generator, dtype=torch.float64)
@@ -124,8 +151,14 @@ def sampling_locations(cfg: MSDAConfig, generator: torch.Generator) -> torch.Ten
     return loc
 
 
-def make(cfg_or_name: MSDAConfig | str, *, dtype=torch.float32, device="cpu", seed: int = 0,
-         requires_grad: bool = False) -> dict:
+def make(
+    cfg_or_name: MSDAConfig | str,
+    *,
+    dtype=torch.float32,
+    device="cpu",
+    seed: int = 0,
+    requires_grad: bool = False,
+) -> dict:
     """Everything one call needs: value, value_spatial_shapes, value_level_start_index,
     sampling_locations, attention_weights (float tensors in `dtype`, index tensors int64, all on
     `device`), plus the config."""
@@ -153,11 +186,18 @@ def make(cfg_or_name: MSDAConfig | str, *, dtype=torch.float32, device="cpu", se
 
 def args(inputs: dict) -> tuple:
     """The five tensors in mmcv's argument order."""
-    return (inputs["value"], inputs["value_spatial_shapes"], inputs["value_level_start_index"],
-            inputs["sampling_locations"], inputs["attention_weights"])
+    return (
+        inputs["value"],
+        inputs["value_spatial_shapes"],
+        inputs["value_level_start_index"],
+        inputs["sampling_locations"],
+        inputs["attention_weights"],
+    )
 
 
-def nudge_off_pixel_edges(sampling_locations: torch.Tensor, spatial_shapes, margin: float = 2e-3) -> torch.Tensor:
+def nudge_off_pixel_edges(
+    sampling_locations: torch.Tensor, spatial_shapes, margin: float = 2e-3
+) -> torch.Tensor:
     """Moves every sample whose pixel coordinate (loc * size - 0.5) lies within `margin` of an
     integer by 2 * margin pixels. grad_sampling_locations jumps across pixel edges, so two correct
     implementations that round the coordinate differently by one ulp can disagree there; tests

@@ -41,14 +41,35 @@ def fake_sort_by_cell(cell, n_cells, *, backend="auto"):
     return SortResult(order.int(), starts.int(), lengths.int())
 
 
-def fake_bev_pool_v2(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape,
-                     interval_starts, interval_lengths, *, backend="auto", validate=False):
+def fake_bev_pool_v2(
+    depth,
+    feat,
+    ranks_depth,
+    ranks_feat,
+    ranks_bev,
+    bev_feat_shape,
+    interval_starts,
+    interval_lengths,
+    *,
+    backend="auto",
+    validate=False,
+):
     B, Z, Y, X, C = bev_feat_shape
-    Calls.pool = {"depth": depth, "feat": feat, "ranks_depth": ranks_depth,
-                  "ranks_feat": ranks_feat, "ranks_bev": ranks_bev,
-                  "bev_feat_shape": bev_feat_shape, "backend": backend}
-    for name, t in (("ranks_feat", ranks_feat), ("ranks_bev", ranks_bev),
-                    ("interval_starts", interval_starts), ("interval_lengths", interval_lengths)):
+    Calls.pool = {
+        "depth": depth,
+        "feat": feat,
+        "ranks_depth": ranks_depth,
+        "ranks_feat": ranks_feat,
+        "ranks_bev": ranks_bev,
+        "bev_feat_shape": bev_feat_shape,
+        "backend": backend,
+    }
+    for name, t in (
+        ("ranks_feat", ranks_feat),
+        ("ranks_bev", ranks_bev),
+        ("interval_starts", interval_starts),
+        ("interval_lengths", interval_lengths),
+    ):
         assert t.dtype == torch.int32, f"{name} passed as {t.dtype}"
     assert (depth is None) == (ranks_depth is None)
     assert isinstance(bev_feat_shape, tuple) and len(bev_feat_shape) == 5
@@ -88,7 +109,9 @@ def install(monkeypatch, real: bool = False):
     if real:
         sort = _real("bev_pool_prepare", "sort_by_cell", "sort") or sort
         pool = _real("bev_pool_v2", "bev_pool_v2", "pool") or pool
-    bev_pool_v3 = importlib.import_module("mu_space.ops.bev_pool_v3")  # the module, not the function
+    bev_pool_v3 = importlib.import_module(
+        "mu_space.ops.bev_pool_v3"
+    )  # the module, not the function
     monkeypatch.setattr(bev_pool_v3, "_primitives", lambda: (sort, pool))
     monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
     Calls.sort = Calls.pool = None
@@ -111,4 +134,3 @@ def install_reference_primitives(monkeypatch):
     bev_pool_v3 = importlib.import_module("mu_space.ops.bev_pool_v3")
     monkeypatch.setattr(bev_pool_v3, "_primitives", lambda: (sort, pool))
     monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
-

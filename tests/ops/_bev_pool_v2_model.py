@@ -45,8 +45,18 @@ def _clamp(key, n_keys):
     return min(max(int(key), 0), n_keys)
 
 
-def segmented_pool(keys, values, n_keys, *, points_per_block, lanes, threads=256, window=0,
-                   bitmap_bits=4096, search_span=1024):
+def segmented_pool(
+    keys,
+    values,
+    n_keys,
+    *,
+    points_per_block,
+    lanes,
+    threads=256,
+    window=0,
+    bitmap_bits=4096,
+    search_span=1024,
+):
     """Model of forward_kernel (window > 0: StagedChannelsFirst, output zero-filled first) /
     grad_feat_sorted_kernel (window = 0: Rows). keys: int [n] segment keys; values: float64
     [n, C] = weight * row (0 for a bad point). Returns (out [n_keys, C] float64, writes [n_keys]
@@ -128,8 +138,11 @@ def segmented_pool(keys, values, n_keys, *, points_per_block, lanes, threads=256
         start = hi if zero_filled else z0
         while start < hi:  # zero_unmarked (rows sink only)
             if start != z0:
-                bitmap = {int(keys[j]) - start for j in range(q0, q1)
-                          if 0 <= int(keys[j]) - start < bitmap_bits}
+                bitmap = {
+                    int(keys[j]) - start
+                    for j in range(q0, q1)
+                    if 0 <= int(keys[j]) - start < bitmap_bits
+                }
             for d in range(min(bitmap_bits, hi - start)):
                 if d not in bitmap:
                     out[start + d] = 0.0

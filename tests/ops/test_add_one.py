@@ -119,7 +119,9 @@ def test_native_runs_on_the_callers_non_default_stream():
 @pytest.mark.gpu
 def test_native_opcheck():
     device = native_gpu_device()
-    torch.library.opcheck(torch.ops.mu_space.add_one.default, (torch.randn(4, 5, device=device), "cuda"))
+    torch.library.opcheck(
+        torch.ops.mu_space.add_one.default, (torch.randn(4, 5, device=device), "cuda")
+    )
 
 
 @pytest.mark.gpu

@@ -37,7 +37,9 @@ def args_of(a):
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("keep_out_of_range", [False, True])
 def test_reference_matches_loop_on_frustum_geometry(batch, keep_out_of_range):
-    a = bevfusion_inputs("tiny", batch=batch, keep_out_of_range=keep_out_of_range, dtype=torch.float64)
+    a = bevfusion_inputs(
+        "tiny", batch=batch, keep_out_of_range=keep_out_of_range, dtype=torch.float64
+    )
     got = bev_pool(*args_of(a))
     want = loop_bev_pool(*args_of(a))
     assert got.shape == (batch, 5, a["D"], a["H"], a["W"]) and got.dtype == torch.float64
@@ -76,8 +78,18 @@ def test_every_point_in_one_cell_sums():
 def test_out_of_range_coords_are_dropped_per_column():
     """Any coordinate outside its dimension drops the point; y == W must not wrap into x + 1."""
     B, D, H, W = 2, 1, 3, 4
-    bad = [[-1, 0, 0, 0], [H, 0, 0, 0], [0, -1, 0, 0], [0, W, 0, 0], [0, 0, -1, 0], [0, 0, D, 0],
-           [0, 0, 0, -1], [0, 0, 0, B], [2**40, 0, 0, 0], [-2**40, 3, 0, 1]]
+    bad = [
+        [-1, 0, 0, 0],
+        [H, 0, 0, 0],
+        [0, -1, 0, 0],
+        [0, W, 0, 0],
+        [0, 0, -1, 0],
+        [0, 0, D, 0],
+        [0, 0, 0, -1],
+        [0, 0, 0, B],
+        [2**40, 0, 0, 0],
+        [-(2**40), 3, 0, 1],
+    ]
     coords = torch.tensor(bad + [[1, 2, 0, 1]])
     feats = torch.arange(1, len(bad) + 2, dtype=torch.float32).unsqueeze(1).repeat(1, 3)
     out = bev_pool(feats, coords, B, D, H, W)
@@ -85,7 +97,9 @@ def test_out_of_range_coords_are_dropped_per_column():
     want[1, :, 0, 1, 2] = float(len(bad) + 1)
     assert torch.equal(out, want)
     # int32 coords (DrivingSDK style), the in-int32-range bad rows only
-    assert torch.equal(bev_pool(feats[:8], coords.int()[:8], B, D, H, W), torch.zeros(B, 3, D, H, W))
+    assert torch.equal(
+        bev_pool(feats[:8], coords.int()[:8], B, D, H, W), torch.zeros(B, 3, D, H, W)
+    )
 
 
 def test_empty_input_and_empty_grid():
@@ -94,12 +108,26 @@ def test_empty_input_and_empty_grid():
     assert out.shape == (2, 5, 1, 3, 4) and not out.any()
     out.sum().backward()
     assert feats.grad.shape == (0, 5)
-    assert bev_pool(torch.randn(4, 3), torch.zeros(4, 4, dtype=torch.int32), 0, 1, 3, 4).shape == (0, 3, 1, 3, 4)
-    assert bev_pool(torch.randn(4, 0), torch.zeros(4, 4, dtype=torch.int32), 1, 1, 3, 4).shape == (1, 0, 1, 3, 4)
+    assert bev_pool(torch.randn(4, 3), torch.zeros(4, 4, dtype=torch.int32), 0, 1, 3, 4).shape == (
+        0,
+        3,
+        1,
+        3,
+        4,
+    )
+    assert bev_pool(torch.randn(4, 0), torch.zeros(4, 4, dtype=torch.int32), 1, 1, 3, 4).shape == (
+        1,
+        0,
+        1,
+        3,
+        4,
+    )
 
 
 def test_one_point():
-    out = bev_pool(torch.tensor([[5.0, -1.0]]), torch.tensor([[0, 0, 0, 0]], dtype=torch.int32), 1, 1, 1, 1)
+    out = bev_pool(
+        torch.tensor([[5.0, -1.0]]), torch.tensor([[0, 0, 0, 0]], dtype=torch.int32), 1, 1, 1, 1
+    )
     assert torch.equal(out, torch.tensor([5.0, -1.0]).view(1, 2, 1, 1, 1))
 
 
@@ -115,8 +143,12 @@ def test_half_precision_accumulates_in_float32(dtype):
 def test_result_does_not_depend_on_point_order():
     a = bevfusion_inputs("tiny", batch=2, dtype=torch.float64)
     perm = torch.randperm(a["feats"].shape[0])
-    assert_close(bev_pool(a["feats"][perm], a["coords"][perm], a["B"], a["D"], a["H"], a["W"]),
-                 bev_pool(*args_of(a)), atol=1e-12, rtol=1e-12)
+    assert_close(
+        bev_pool(a["feats"][perm], a["coords"][perm], a["B"], a["D"], a["H"], a["W"]),
+        bev_pool(*args_of(a)),
+        atol=1e-12,
+        rtol=1e-12,
+    )
 
 
 def test_reference_is_deterministic():
@@ -131,7 +163,9 @@ def test_gradcheck_float64():
     idx = torch.randperm(a["feats"].shape[0])[:300]
     feats = a["feats"][idx].clone().requires_grad_(True)
     coords = a["coords"][idx]
-    assert torch.autograd.gradcheck(lambda f: bev_pool(f, coords, a["B"], a["D"], a["H"], a["W"]), (feats,))
+    assert torch.autograd.gradcheck(
+        lambda f: bev_pool(f, coords, a["B"], a["D"], a["H"], a["W"]), (feats,)
+    )
 
 
 def test_grad_is_the_output_grad_at_each_points_cell():
@@ -141,7 +175,16 @@ def test_grad_is_the_output_grad_at_each_points_cell():
     g = torch.randn_like(out)
     out.backward(g)
     x, y, z, b = a["coords"].unbind(1)
-    ok = (x >= 0) & (x < a["H"]) & (y >= 0) & (y < a["W"]) & (z >= 0) & (z < a["D"]) & (b >= 0) & (b < a["B"])
+    ok = (
+        (x >= 0)
+        & (x < a["H"])
+        & (y >= 0)
+        & (y < a["W"])
+        & (z >= 0)
+        & (z < a["D"])
+        & (b >= 0)
+        & (b < a["B"])
+    )
     assert (~ok).any()
     want = torch.zeros_like(feats)
     want[ok] = g.permute(0, 2, 3, 4, 1)[b[ok], z[ok], x[ok], y[ok]]
@@ -152,21 +195,42 @@ def test_accepts_zero_dim_tensor_dims_like_bevfusion():
     """BEVFusion passes `self.nx[2], self.nx[0], self.nx[1]` (0-d LongTensor elements)."""
     a = bevfusion_inputs("tiny")
     nx = torch.tensor([a["H"], a["W"], a["D"]])
-    assert torch.equal(bev_pool(a["feats"], a["coords"], a["B"], nx[2], nx[0], nx[1]), bev_pool(*args_of(a)))
+    assert torch.equal(
+        bev_pool(a["feats"], a["coords"], a["B"], nx[2], nx[0], nx[1]), bev_pool(*args_of(a))
+    )
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda f, c: bev_pool(f.tolist(), c, 1, 1, 20, 20), TypeError, "feats must be a torch.Tensor, got list"),
-    (lambda f, c: bev_pool(f.int(), c, 1, 1, 20, 20), TypeError, "feats must be a floating tensor, got int32"),
-    (lambda f, c: bev_pool(f[:, 0], c, 1, 1, 20, 20), ValueError, "feats must be 2-D"),
-    (lambda f, c: bev_pool(f, c.float(), 1, 1, 20, 20), TypeError, "coords must be int32 or int64, got float32"),
-    (lambda f, c: bev_pool(f, c[:, :3], 1, 1, 20, 20), ValueError, r"coords must be \[n, 4\]"),
-    (lambda f, c: bev_pool(f, c[1:], 1, 1, 20, 20), ValueError, r"coords.shape\[0\] must be"),
-    (lambda f, c: bev_pool(f, c, -1, 1, 20, 20), ValueError, "B must be >= 0, got -1"),
-    (lambda f, c: bev_pool(f, c, 1, 1.5, 20, 20), TypeError, "D must be an integer, got float"),
-    (lambda f, c: bev_pool(f, c.to("meta"), 1, 1, 20, 20), ValueError, "coords must be on cpu"),
-    (lambda f, c: bev_pool(f, c, 1, 1, 20, 20, backend="triton"), ValueError, "backend must be one of"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda f, c: bev_pool(f.tolist(), c, 1, 1, 20, 20),
+            TypeError,
+            "feats must be a torch.Tensor, got list",
+        ),
+        (
+            lambda f, c: bev_pool(f.int(), c, 1, 1, 20, 20),
+            TypeError,
+            "feats must be a floating tensor, got int32",
+        ),
+        (lambda f, c: bev_pool(f[:, 0], c, 1, 1, 20, 20), ValueError, "feats must be 2-D"),
+        (
+            lambda f, c: bev_pool(f, c.float(), 1, 1, 20, 20),
+            TypeError,
+            "coords must be int32 or int64, got float32",
+        ),
+        (lambda f, c: bev_pool(f, c[:, :3], 1, 1, 20, 20), ValueError, r"coords must be \[n, 4\]"),
+        (lambda f, c: bev_pool(f, c[1:], 1, 1, 20, 20), ValueError, r"coords.shape\[0\] must be"),
+        (lambda f, c: bev_pool(f, c, -1, 1, 20, 20), ValueError, "B must be >= 0, got -1"),
+        (lambda f, c: bev_pool(f, c, 1, 1.5, 20, 20), TypeError, "D must be an integer, got float"),
+        (lambda f, c: bev_pool(f, c.to("meta"), 1, 1, 20, 20), ValueError, "coords must be on cpu"),
+        (
+            lambda f, c: bev_pool(f, c, 1, 1, 20, 20, backend="triton"),
+            ValueError,
+            "backend must be one of",
+        ),
+    ],
+)
 def test_bad_inputs_name_the_argument(call, error, message):
     a = bevfusion_inputs("tiny")
     with pytest.raises(error, match=message):
@@ -222,13 +286,20 @@ def test_native_composition_with_contract_fakes(monkeypatch, int_dtype):
     assert calls.pool["bev_feat_shape"] == (a["B"], a["D"], a["H"], a["W"], 5)
     assert calls.sort["n_cells"] == a["B"] * a["D"] * a["H"] * a["W"]
     # the fake sums in float64 and rounds once
-    assert_close(out.double(), loop_bev_pool(feats, coords, a["B"], a["D"], a["H"], a["W"]), atol=1e-6, rtol=1e-6)
+    assert_close(
+        out.double(),
+        loop_bev_pool(feats, coords, a["B"], a["D"], a["H"], a["W"]),
+        atol=1e-6,
+        rtol=1e-6,
+    )
     g = torch.randn_like(out)
     out.backward(g)
     ref_feats = a["feats"].clone().requires_grad_(True)
     bev_pool(ref_feats, coords, a["B"], a["D"], a["H"], a["W"], backend="reference").backward(g)
     assert torch.equal(feats.grad, ref_feats.grad)
-    assert ("bev_pool", "cpu", "native") in {(r["op"], r["backend"], r["reason"]) for r in kernel_dispatch.records()}
+    assert ("bev_pool", "cpu", "native") in {
+        (r["op"], r["backend"], r["reason"]) for r in kernel_dispatch.records()
+    }
 
 
 def test_native_composition_with_the_real_primitives_reference_paths(monkeypatch):
@@ -242,7 +313,16 @@ def test_native_composition_with_the_real_primitives_reference_paths(monkeypatch
     assert_close(out.double(), loop_bev_pool(*args_of(a)), atol=1e-5, rtol=1e-5)
     out.backward(torch.ones_like(out))
     x, y, z, b = a["coords"].unbind(1)
-    ok = (x >= 0) & (x < a["H"]) & (y >= 0) & (y < a["W"]) & (z >= 0) & (z < a["D"]) & (b >= 0) & (b < a["B"])
+    ok = (
+        (x >= 0)
+        & (x < a["H"])
+        & (y >= 0)
+        & (y < a["W"])
+        & (z >= 0)
+        & (z < a["D"])
+        & (b >= 0)
+        & (b < a["B"])
+    )
     assert torch.equal(feats.grad, ok.float().unsqueeze(1).expand_as(feats))
 
 
@@ -261,9 +341,19 @@ def test_torch_compile_fullgraph_native_composition(monkeypatch, backend):
         out = fn(feats, a["coords"])
         assert_close(out, bev_pool(*args_of(a), backend="reference"), atol=1e-5, rtol=1e-5)
         out.backward(torch.ones_like(out))
-        assert feats.grad.sum() == int(((a["coords"] >= 0).all(1) & (a["coords"][:, 0] < H) &
-                                        (a["coords"][:, 1] < W) & (a["coords"][:, 2] < D) &
-                                        (a["coords"][:, 3] < B)).sum()) * feats.shape[1]
+        assert (
+            feats.grad.sum()
+            == int(
+                (
+                    (a["coords"] >= 0).all(1)
+                    & (a["coords"][:, 0] < H)
+                    & (a["coords"][:, 1] < W)
+                    & (a["coords"][:, 2] < D)
+                    & (a["coords"][:, 3] < B)
+                ).sum()
+            )
+            * feats.shape[1]
+        )
         rows = {(r["op"], r["backend"]) for r in kernel_dispatch.records()}
         assert ("bev_pool", "cpu") in rows  # the traced choice: native (patched)
     finally:
@@ -275,8 +365,10 @@ def test_opcheck_bev_pool_rows():
     a = bevfusion_inputs("tiny", batch=2, keep_out_of_range=True)
     cells = _coords_to_cells(a["coords"], (a["B"], a["D"], a["H"], a["W"]))
     feats = a["feats"].clone().requires_grad_(True)
-    torch.library.opcheck(torch.ops.mu_space.bev_pool_rows.default,
-                          (feats, cells, [a["B"], a["D"], a["H"], a["W"], 5], "reference"))
+    torch.library.opcheck(
+        torch.ops.mu_space.bev_pool_rows.default,
+        (feats, cells, [a["B"], a["D"], a["H"], a["W"], 5], "reference"),
+    )
 
 
 def test_native_composition_sends_empty_input_to_reference(monkeypatch):
@@ -288,8 +380,14 @@ def test_native_composition_sends_empty_input_to_reference(monkeypatch):
 # ---------------------------------------------------------------- native (GPU)
 
 # (config, batch, channels): realistic geometry, odd channel counts, B > 1.
-GPU_CASES = [("tiny", 1, None), ("bevdet-r50", 2, 3), ("bevdet-r50", 1, 67),
-             ("bevdet-r50-d88", 1, 80), ("bevfusion-cam", 1, 80), ("bevfusion-cam", 2, 67)]
+GPU_CASES = [
+    ("tiny", 1, None),
+    ("bevdet-r50", 2, 3),
+    ("bevdet-r50", 1, 67),
+    ("bevdet-r50-d88", 1, 80),
+    ("bevfusion-cam", 1, 80),
+    ("bevfusion-cam", 2, 67),
+]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -323,7 +421,9 @@ def test_native_matches_reference(cfg, batch, channels, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_native_backward_matches_reference(dtype):
     device = native_gpu_device()
-    a = bevfusion_inputs("bevdet-r50", batch=2, channels=67, dtype=dtype, device=device, keep_out_of_range=True)
+    a = bevfusion_inputs(
+        "bevdet-r50", batch=2, channels=67, dtype=dtype, device=device, keep_out_of_range=True
+    )
     feats = a["feats"].clone().requires_grad_(True)
     out = bev_pool(feats, a["coords"], a["B"], a["D"], a["H"], a["W"], backend="cuda")
     g = torch.randn_like(out)
@@ -338,8 +438,18 @@ def test_native_backward_matches_reference(dtype):
 def test_native_out_of_range_and_edge_cases():
     device = native_gpu_device()
     B, D, H, W = 2, 1, 3, 4
-    coords = torch.tensor([[-1, 0, 0, 0], [H, 0, 0, 0], [0, W, 0, 0], [0, 0, D, 0], [0, 0, 0, B],
-                           [2**40, 0, 0, 0], [1, 2, 0, 1]], device=device)
+    coords = torch.tensor(
+        [
+            [-1, 0, 0, 0],
+            [H, 0, 0, 0],
+            [0, W, 0, 0],
+            [0, 0, D, 0],
+            [0, 0, 0, B],
+            [2**40, 0, 0, 0],
+            [1, 2, 0, 1],
+        ],
+        device=device,
+    )
     feats = torch.ones(7, 67, device=device)
     out = bev_pool(feats, coords, B, D, H, W, backend="cuda")
     want = torch.zeros(B, 67, D, H, W, device=device)
@@ -369,7 +479,9 @@ def test_native_is_deterministic():
     grads = []
     for _ in range(2):
         feats = a["feats"][perm].clone().requires_grad_(True)
-        bev_pool(feats, a["coords"][perm], a["B"], a["D"], a["H"], a["W"], backend="cuda").backward(first)
+        bev_pool(feats, a["coords"][perm], a["B"], a["D"], a["H"], a["W"], backend="cuda").backward(
+            first
+        )
         grads.append(feats.grad)
     assert torch.equal(grads[0], grads[1])
 
@@ -417,5 +529,7 @@ def test_native_opcheck_bev_pool_rows():
     a = bevfusion_inputs("bevdet-r50", batch=2, channels=67, device=device, keep_out_of_range=True)
     cells = _coords_to_cells(a["coords"], (a["B"], a["D"], a["H"], a["W"]))
     feats = a["feats"].clone().requires_grad_(True)
-    torch.library.opcheck(torch.ops.mu_space.bev_pool_rows.default,
-                          (feats, cells, [a["B"], a["D"], a["H"], a["W"], 67], "cuda"))
+    torch.library.opcheck(
+        torch.ops.mu_space.bev_pool_rows.default,
+        (feats, cells, [a["B"], a["D"], a["H"], a["W"], 67], "cuda"),
+    )

@@ -13,9 +13,14 @@ import pytest
 import torch
 
 import mu_space
-from mu_space.ops.bev_pool_prepare import (BEVPoolRanks, CellSort, bev_pool_prepare,
-                                           bev_pool_prepare_reference, sort_by_cell,
-                                           sort_by_cell_reference)
+from mu_space.ops.bev_pool_prepare import (
+    BEVPoolRanks,
+    CellSort,
+    bev_pool_prepare,
+    bev_pool_prepare_reference,
+    sort_by_cell,
+    sort_by_cell_reference,
+)
 from mu_space.runtime import kernel_dispatch, native, registry
 from mu_space.testing import bev_geometry
 from tests.helpers import native_gpu_device, poisoned
@@ -40,8 +45,10 @@ def _assert_equal_ranks(got, want, name="ranks"):
         assert g.shape == w.shape, f"{name}.{field}: shape {tuple(g.shape)} != {tuple(w.shape)}"
         if not torch.equal(g, w):
             bad = (g != w).nonzero()[0].item()
-            raise AssertionError(f"{name}.{field}: {int((g != w).sum())} entries differ, first at "
-                                 f"{bad}: got {g[bad].item()}, want {w[bad].item()}")
+            raise AssertionError(
+                f"{name}.{field}: {int((g != w).sum())} entries differ, first at "
+                f"{bad}: got {g[bad].item()}, want {w[bad].item()}"
+            )
 
 
 # ---------------------------------------------------------------- independent straightforward computation
@@ -81,8 +88,9 @@ def _loop_prepare(coor: torch.Tensor, lower, interval, size):
             bn, hw = p // (D * H * W), p % (H * W)
             ranks_feat.append(bn * H * W + hw)
     as_t = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-    return BEVPoolRanks(as_t(ranks_bev), as_t(ranks_depth), as_t(ranks_feat), as_t(starts),
-                        as_t(lengths))
+    return BEVPoolRanks(
+        as_t(ranks_bev), as_t(ranks_depth), as_t(ranks_feat), as_t(starts), as_t(lengths)
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -115,7 +123,7 @@ def test_same_sets_as_upstream_formula_on_bevdet_r50():
     starts = torch.cat([torch.ones(1, dtype=torch.bool), rank[order][1:] != rank[order][:-1]])
     assert torch.equal(got.interval_starts.long(), starts.nonzero().squeeze(1))
     for s, n in zip(got.interval_starts.tolist()[::97], got.interval_lengths.tolist()[::97]):
-        assert set(got.ranks_depth[s:s + n].tolist()) == set(idx[order][s:s + n].tolist())
+        assert set(got.ranks_depth[s : s + n].tolist()) == set(idx[order][s : s + n].tolist())
 
 
 # ---------------------------------------------------------------- semantics
@@ -130,8 +138,18 @@ def _points(values, dtype=torch.float32, shape=None):
 def test_points_outside_the_grid_are_dropped():
     # grid: x, y in [0, 4) with 1 m cells, z in [0, 2) one 2 m cell
     grid = ((0.0, 0.0, 0.0), (1.0, 1.0, 2.0), (4, 4, 1))
-    coor = _points([(0.5, 0.5, 1.0), (4.0, 0.5, 1.0), (0.5, 4.2, 1.0), (0.5, 0.5, 2.0),
-                    (3.99, 3.99, 1.99), (0.5, 0.5, -2.5), (-2.0, 0.5, 1.0), (1.5, 2.5, 0.0)])
+    coor = _points(
+        [
+            (0.5, 0.5, 1.0),
+            (4.0, 0.5, 1.0),
+            (0.5, 4.2, 1.0),
+            (0.5, 0.5, 2.0),
+            (3.99, 3.99, 1.99),
+            (0.5, 0.5, -2.5),
+            (-2.0, 0.5, 1.0),
+            (1.5, 2.5, 0.0),
+        ]
+    )
     r = bev_pool_prepare(coor, *grid)
     assert r.ranks_depth.tolist() == [0, 7, 4]
     assert r.ranks_bev.tolist() == [0, 2 * 4 + 1, 3 * 4 + 3]
@@ -142,8 +160,17 @@ def test_truncation_quirk_keeps_points_less_than_one_cell_below_the_lower_bound(
     """Upstream converts with .long() (truncation toward zero): q in (-1, 0) lands in cell 0."""
     grid = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), (4, 4, 1))
     # values exact enough in bfloat16 (8 significant bits) to stay on their side of each bound
-    coor = _points([(-0.5, 0.5, 0.5), (-0.9, -0.25, 0.5), (-1.0, 0.5, 0.5), (0.5, 0.5, -0.75),
-                    (-1.5, 0.5, 0.5), (3.9, 0.5, 0.5), (4.0, 0.5, 0.5)])
+    coor = _points(
+        [
+            (-0.5, 0.5, 0.5),
+            (-0.9, -0.25, 0.5),
+            (-1.0, 0.5, 0.5),
+            (0.5, 0.5, -0.75),
+            (-1.5, 0.5, 0.5),
+            (3.9, 0.5, 0.5),
+            (4.0, 0.5, 0.5),
+        ]
+    )
     for backend_coor in (coor, coor.double(), coor.half(), coor.bfloat16()):
         r = bev_pool_prepare(backend_coor, *grid)
         assert r.ranks_depth.tolist() == [0, 1, 3, 5], backend_coor.dtype
@@ -212,14 +239,17 @@ def test_half_and_bfloat16_follow_upstream_arithmetic_in_that_dtype():
         want_kept = ((q > -1) & (q < torch.tensor(size))).all(-1).flatten().nonzero().squeeze(1)
         assert torch.equal(r.ranks_depth.sort().values.long(), want_kept), dtype
         cell = q.long().view(-1, 3)[r.ranks_depth.long()]
-        assert torch.equal(r.ranks_bev.long(), (cell[:, 2] * size[1] + cell[:, 1]) * size[0] + cell[:, 0])
+        assert torch.equal(
+            r.ranks_bev.long(), (cell[:, 2] * size[1] + cell[:, 1]) * size[0] + cell[:, 0]
+        )
 
 
 def test_grid_as_tensors_like_bevdet():
     coor, (lower, interval, size) = _geometry("tiny")
     want = bev_pool_prepare(coor, lower, interval, size)
-    got = bev_pool_prepare(coor, torch.tensor(lower), torch.tensor(interval),
-                           torch.tensor(size, dtype=torch.float32))  # BEVDet's grid_size is float
+    got = bev_pool_prepare(
+        coor, torch.tensor(lower), torch.tensor(interval), torch.tensor(size, dtype=torch.float32)
+    )  # BEVDet's grid_size is float
     _assert_equal_ranks(got, want)
     _assert_equal_ranks(bev_pool_prepare(coor, list(lower), np.array(interval), list(size)), want)
 
@@ -242,31 +272,45 @@ def test_deterministic_over_reruns():
         _assert_equal_ranks(bev_pool_prepare(coor, *grid), first)
 
 
-@pytest.mark.parametrize("bad, exc, match", [
-    (lambda c: [c], TypeError, "coor must be a torch.Tensor"),
-    (lambda c: c.long(), TypeError, "coor must be float32, float16, bfloat16 or float64, got int64"),
-    (lambda c: c[0], ValueError, r"coor must be \[B, N, D, H, W, 3\]"),
-    (lambda c: c[..., :2], ValueError, r"coor must be \[B, N, D, H, W, 3\]"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, match",
+    [
+        (lambda c: [c], TypeError, "coor must be a torch.Tensor"),
+        (
+            lambda c: c.long(),
+            TypeError,
+            "coor must be float32, float16, bfloat16 or float64, got int64",
+        ),
+        (lambda c: c[0], ValueError, r"coor must be \[B, N, D, H, W, 3\]"),
+        (lambda c: c[..., :2], ValueError, r"coor must be \[B, N, D, H, W, 3\]"),
+    ],
+)
 def test_bad_coor_errors_name_the_argument(bad, exc, match):
     coor, grid = _geometry("tiny")
     with pytest.raises(exc, match=match):
         bev_pool_prepare(bad(coor), *grid)
 
 
-@pytest.mark.parametrize("grid, exc, match", [
-    (((0, 0), (1, 1, 1), (4, 4, 1)), ValueError, "grid_lower_bound must have 3 values"),
-    (((0, 0, 0), (1, 1, 1, 1), (4, 4, 1)), ValueError, "grid_interval must have 3 values"),
-    (((0, 0, 0), (1, 1, 1), 4), TypeError, "grid_size must be 3 numbers"),
-    (((0, 0, 0), (1, 0, 1), (4, 4, 1)), ValueError, "grid_interval must be positive"),
-    (((0, 0, 0), (1, -1, 1), (4, 4, 1)), ValueError, "grid_interval must be positive"),
-    (((0, 0, 0), (1, 1e-50, 1), (4, 4, 1)), ValueError, "grid_interval must be positive"),
-    (((0, float("nan"), 0), (1, 1, 1), (4, 4, 1)), ValueError, "grid_lower_bound must be finite"),
-    (((0, 0, 0), (1, 1, 1), (4, 0, 1)), ValueError, "grid_size must be positive"),
-    (((0, 0, 0), (1, 1, 1), (4, 4.5, 1)), ValueError, "grid_size must be 3 integers"),
-    (((0, 0, 0), (1, 1, 1), (4, "a", 1)), TypeError, "grid_size must be 3 integers"),
-    (((0, 0, 0), (1, 1, 1), (2**16, 2**16, 1)), ValueError, "exceeds the int32 range"),
-])
+@pytest.mark.parametrize(
+    "grid, exc, match",
+    [
+        (((0, 0), (1, 1, 1), (4, 4, 1)), ValueError, "grid_lower_bound must have 3 values"),
+        (((0, 0, 0), (1, 1, 1, 1), (4, 4, 1)), ValueError, "grid_interval must have 3 values"),
+        (((0, 0, 0), (1, 1, 1), 4), TypeError, "grid_size must be 3 numbers"),
+        (((0, 0, 0), (1, 0, 1), (4, 4, 1)), ValueError, "grid_interval must be positive"),
+        (((0, 0, 0), (1, -1, 1), (4, 4, 1)), ValueError, "grid_interval must be positive"),
+        (((0, 0, 0), (1, 1e-50, 1), (4, 4, 1)), ValueError, "grid_interval must be positive"),
+        (
+            ((0, float("nan"), 0), (1, 1, 1), (4, 4, 1)),
+            ValueError,
+            "grid_lower_bound must be finite",
+        ),
+        (((0, 0, 0), (1, 1, 1), (4, 0, 1)), ValueError, "grid_size must be positive"),
+        (((0, 0, 0), (1, 1, 1), (4, 4.5, 1)), ValueError, "grid_size must be 3 integers"),
+        (((0, 0, 0), (1, 1, 1), (4, "a", 1)), TypeError, "grid_size must be 3 integers"),
+        (((0, 0, 0), (1, 1, 1), (2**16, 2**16, 1)), ValueError, "exceeds the int32 range"),
+    ],
+)
 def test_bad_grid_errors_name_the_argument(grid, exc, match):
     coor = _points([(0.5, 0.5, 0.5)])
     with pytest.raises(exc, match=match):
@@ -328,14 +372,17 @@ def test_sort_by_cell_small_cases():
     assert one_cell.interval_starts.tolist() == [0] and one_cell.interval_lengths.tolist() == [50]
 
 
-@pytest.mark.parametrize("args, exc, match", [
-    ((torch.tensor([1.0, 2.0]), 4), TypeError, "cell must be int32 or int64, got float32"),
-    ((torch.zeros(2, 2, dtype=torch.int64), 4), ValueError, "cell must be 1-D, got 2-D"),
-    (([1, 2], 4), TypeError, "cell must be a torch.Tensor"),
-    ((torch.tensor([1, 2]), -1), ValueError, "n_cells must be in"),
-    ((torch.tensor([1, 2]), 2**31), ValueError, "n_cells must be in"),
-    ((torch.tensor([1, 2]), 2.5), TypeError, "n_cells must be an int"),
-])
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((torch.tensor([1.0, 2.0]), 4), TypeError, "cell must be int32 or int64, got float32"),
+        ((torch.zeros(2, 2, dtype=torch.int64), 4), ValueError, "cell must be 1-D, got 2-D"),
+        (([1, 2], 4), TypeError, "cell must be a torch.Tensor"),
+        ((torch.tensor([1, 2]), -1), ValueError, "n_cells must be in"),
+        ((torch.tensor([1, 2]), 2**31), ValueError, "n_cells must be in"),
+        ((torch.tensor([1, 2]), 2.5), TypeError, "n_cells must be an int"),
+    ],
+)
 def test_sort_by_cell_bad_inputs(args, exc, match):
     with pytest.raises(exc, match=match):
         sort_by_cell(*args)
@@ -358,18 +405,25 @@ def test_torch_compile_sees_the_custom_ops_without_graph_breaks():
 
     cells = torch.randint(-2, 12, (200,))
     want = bev_pool_prepare(coor, *grid)
-    expected = want.ranks_bev.sum() + want.interval_lengths.sum() + sort_by_cell(cells, 10).order.sum()
+    expected = (
+        want.ranks_bev.sum() + want.interval_lengths.sum() + sort_by_cell(cells, 10).order.sum()
+    )
     assert fn(coor, cells) == expected
     targets = {str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"}
-    assert {"mu_space.bev_pool_prepare", "mu_space.sort_by_cell"} <= {t.removesuffix(".default") for t in targets}
+    assert {"mu_space.bev_pool_prepare", "mu_space.sort_by_cell"} <= {
+        t.removesuffix(".default") for t in targets
+    }
 
 
 def test_opcheck_reference_path():
     coor, (lower, interval, size) = _geometry("tiny")
-    torch.library.opcheck(torch.ops.mu_space.bev_pool_prepare.default,
-                          (coor, list(lower), list(interval), list(size), "auto"))
-    torch.library.opcheck(torch.ops.mu_space.sort_by_cell.default,
-                          (torch.randint(-3, 40, (500,)), 37, "auto"))
+    torch.library.opcheck(
+        torch.ops.mu_space.bev_pool_prepare.default,
+        (coor, list(lower), list(interval), list(size), "auto"),
+    )
+    torch.library.opcheck(
+        torch.ops.mu_space.sort_by_cell.default, (torch.randint(-3, 40, (500,)), 37, "auto")
+    )
 
 
 def test_registered_for_the_operator_matrix():
@@ -400,8 +454,11 @@ def test_native_equals_reference_on_frustum_geometry(name):
     want = bev_pool_prepare_reference(coor, *grid)
     _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), want, name)
     # and the CPU reference agrees with the GPU reference
-    _assert_equal_ranks(bev_pool_prepare_reference(coor.cpu(), *grid),
-                        BEVPoolRanks(*(t.cpu() for t in want)), name + " cpu")
+    _assert_equal_ranks(
+        bev_pool_prepare_reference(coor.cpu(), *grid),
+        BEVPoolRanks(*(t.cpu() for t in want)),
+        name + " cpu",
+    )
 
 
 @pytest.mark.gpu
@@ -409,8 +466,11 @@ def test_native_equals_reference_on_frustum_geometry(name):
 def test_native_batch_greater_than_one(name, batch):
     device = native_gpu_device()
     coor, grid = _geometry(name, batch=batch, device=device)  # per-sample calibration jitter
-    _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"),
-                        bev_pool_prepare_reference(coor, *grid), f"{name} B={batch}")
+    _assert_equal_ranks(
+        bev_pool_prepare(coor, *grid, backend="cuda"),
+        bev_pool_prepare_reference(coor, *grid),
+        f"{name} B={batch}",
+    )
 
 
 @pytest.mark.gpu
@@ -421,8 +481,11 @@ def test_native_half_and_bfloat16_equal_reference(name, dtype):
     coor, grid = _geometry(name, device=device, dtype=dtype)
     want = bev_pool_prepare_reference(coor, *grid)
     _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), want, f"{name} {dtype}")
-    _assert_equal_ranks(bev_pool_prepare_reference(coor.cpu(), *grid),
-                        BEVPoolRanks(*(t.cpu() for t in want)), f"{name} {dtype} cpu")
+    _assert_equal_ranks(
+        bev_pool_prepare_reference(coor.cpu(), *grid),
+        BEVPoolRanks(*(t.cpu() for t in want)),
+        f"{name} {dtype} cpu",
+    )
 
 
 # flags of the native entry points: stages COUNT (1) and ORDER (2), clean workspace (4),
@@ -446,8 +509,9 @@ def _call_native_prepare(coor, grid, *, workspace=None, flag_sets=((COUNT | ORDE
     outs = [poisoned((n,), torch.int32, device) for _ in range(3)]
     outs += [poisoned((cap,), torch.int32, device) for _ in range(2)]
     for flags in flag_sets:
-        native.function("bev_pool_prepare_forward")(coor, workspace, *outs, *lower, *interval,
-                                                    *size, flags, 0, 0, _stream(device))
+        native.function("bev_pool_prepare_forward")(
+            coor, workspace, *outs, *lower, *interval, *size, flags, 0, 0, _stream(device)
+        )
     torch.cuda.synchronize(device)
     k, m = workspace[:2].tolist()
     return outs, k, m
@@ -461,8 +525,9 @@ def test_native_entry_point_writes_every_output_element(name):
     want = bev_pool_prepare_reference(coor, *grid)
     outs, k, m = _call_native_prepare(coor, grid)
     assert k == want.ranks_bev.numel() and m == want.interval_starts.numel()
-    _assert_equal_ranks(BEVPoolRanks(outs[0][:k], outs[1][:k], outs[2][:k], outs[3][:m],
-                                     outs[4][:m]), want, name)
+    _assert_equal_ranks(
+        BEVPoolRanks(outs[0][:k], outs[1][:k], outs[2][:k], outs[3][:m], outs[4][:m]), want, name
+    )
     # nothing past the counts was touched
     assert all(torch.all(t[k:] == -1) for t in outs[:3])
     assert all(torch.all(t[m:] == -1) for t in outs[3:])
@@ -481,31 +546,46 @@ def test_native_stages_and_a_reused_workspace(name):
 
     n = coor.numel() // 3
     size = _grid(*grid)[2]
-    ints = native.function("bev_pool_sort_workspace_ints")(n, coor.shape[0] * size[0] * size[1] * size[2])
+    ints = native.function("bev_pool_sort_workspace_ints")(
+        n, coor.shape[0] * size[0] * size[1] * size[2]
+    )
     ws = torch.full((ints,), 0x3F3F3F3F, dtype=torch.int32, device=device)
-    for flag_sets in [(COUNT, ORDER), (COUNT | CLEAN, ORDER), (COUNT | ORDER | CLEAN,),
-                      (COUNT | CLEAN | AGGREGATE, ORDER), (COUNT | ORDER | CLEAN | AGGREGATE,)]:
+    for flag_sets in [
+        (COUNT, ORDER),
+        (COUNT | CLEAN, ORDER),
+        (COUNT | ORDER | CLEAN,),
+        (COUNT | CLEAN | AGGREGATE, ORDER),
+        (COUNT | ORDER | CLEAN | AGGREGATE,),
+    ]:
         outs, k, m = _call_native_prepare(coor, grid, workspace=ws, flag_sets=flag_sets)
         assert k == want.ranks_bev.numel() and m == want.interval_starts.numel(), flag_sets
-        _assert_equal_ranks(BEVPoolRanks(outs[0][:k], outs[1][:k], outs[2][:k], outs[3][:m],
-                                         outs[4][:m]), want, f"{name} {flag_sets}")
+        _assert_equal_ranks(
+            BEVPoolRanks(outs[0][:k], outs[1][:k], outs[2][:k], outs[3][:m], outs[4][:m]),
+            want,
+            f"{name} {flag_sets}",
+        )
         assert all(torch.all(t[k:] == -1) for t in outs[:3])
         assert all(torch.all(t[m:] == -1) for t in outs[3:])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, dtype", [("bevdet-r50", torch.float32), ("bevfusion-cam", torch.float16),
-                                         ("tiny", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "name, dtype",
+    [("bevdet-r50", torch.float32), ("bevfusion-cam", torch.float16), ("tiny", torch.bfloat16)],
+)
 def test_native_aggregated_histogram_policy(name, dtype, monkeypatch):
     """The block-aggregated histogram (profiling knob) gives the same result."""
     device = native_gpu_device()
     monkeypatch.setattr(BPP, "_POLICY", AGGREGATE)
     coor, grid = _geometry(name, device=device, dtype=dtype)
-    _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"),
-                        bev_pool_prepare_reference(coor, *grid), name)
+    _assert_equal_ranks(
+        bev_pool_prepare(coor, *grid, backend="cuda"), bev_pool_prepare_reference(coor, *grid), name
+    )
     cell = torch.randint(-5, 3000, (100_000,), device=device)
     cell[::3] = 7  # a hot cell
-    _assert_equal_ranks(sort_by_cell(cell, 3000, backend="cuda"), sort_by_cell_reference(cell, 3000))
+    _assert_equal_ranks(
+        sort_by_cell(cell, 3000, backend="cuda"), sort_by_cell_reference(cell, 3000)
+    )
 
 
 @pytest.mark.gpu
@@ -522,8 +602,11 @@ def test_native_cached_workspaces_across_configs_and_ops():
             _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), want, f"step {step}")
             n = 50_000 + 20_000 * step
             cell = torch.randint(-10, 4224, (n,), generator=g).to(device)
-            _assert_equal_ranks(sort_by_cell(cell, 4224, backend="cuda"),
-                                sort_by_cell_reference(cell, 4224), f"sort n={n}")
+            _assert_equal_ranks(
+                sort_by_cell(cell, 4224, backend="cuda"),
+                sort_by_cell_reference(cell, 4224),
+                f"sort n={n}",
+            )
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             got = bev_pool_prepare(inputs[0][0], *inputs[0][1], backend="cuda")
@@ -547,7 +630,9 @@ def test_native_count_readback_modes(readback, monkeypatch):
         torch.cuda._sleep(20_000_000)  # ~10 ms queued: longer than the spin limit
         _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), want, name + " queued")
     cell = torch.randint(-3, 5000, (70_000,), device=device)
-    _assert_equal_ranks(sort_by_cell(cell, 5000, backend="cuda"), sort_by_cell_reference(cell, 5000))
+    _assert_equal_ranks(
+        sort_by_cell(cell, 5000, backend="cuda"), sort_by_cell_reference(cell, 5000)
+    )
     assert BPP._READBACK == readback  # no fallback was needed
 
 
@@ -557,9 +642,19 @@ def test_native_semantic_edge_cases():
     grid = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), (4, 4, 1))
     nan, inf = float("nan"), float("inf")
     cases = [
-        _points([(-0.5, 0.5, 0.5), (-0.999, -0.25, 0.5), (-1.0, 0.5, 0.5), (0.5, 0.5, -0.75),
-                 (-1.5, 0.5, 0.5), (3.999, 0.5, 0.5), (4.0, 0.5, 0.5),
-                 (-0.9, 0.5, 0.5), (3.9, 0.5, 0.5)]),  # truncation quirk, dtype rounding
+        _points(
+            [
+                (-0.5, 0.5, 0.5),
+                (-0.999, -0.25, 0.5),
+                (-1.0, 0.5, 0.5),
+                (0.5, 0.5, -0.75),
+                (-1.5, 0.5, 0.5),
+                (3.999, 0.5, 0.5),
+                (4.0, 0.5, 0.5),
+                (-0.9, 0.5, 0.5),
+                (3.9, 0.5, 0.5),
+            ]
+        ),  # truncation quirk, dtype rounding
         _points([(nan, 0.5, 0.5), (0.5, inf, 0.5), (0.5, 0.5, -inf), (1.5, 1.5, 0.5)]),
         _points([(0.5, 0.5, 0.5)]),  # one point
         torch.full((2, 3, 5, 2, 3, 3), 0.3),  # every point in one cell per batch element
@@ -568,8 +663,11 @@ def test_native_semantic_edge_cases():
     for coor in cases:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             c = coor.to(device=device, dtype=dtype)
-            _assert_equal_ranks(bev_pool_prepare(c, *grid, backend="cuda"),
-                                bev_pool_prepare_reference(c, *grid), f"{list(coor.shape)} {dtype}")
+            _assert_equal_ranks(
+                bev_pool_prepare(c, *grid, backend="cuda"),
+                bev_pool_prepare_reference(c, *grid),
+                f"{list(coor.shape)} {dtype}",
+            )
     empty = bev_pool_prepare(torch.empty(1, 6, 0, 2, 2, 3, device=device), *grid, backend="cuda")
     assert all(t.shape == (0,) and t.device == device for t in empty)
 
@@ -603,8 +701,9 @@ def test_native_non_contiguous_coor():
     coor, grid = _geometry("tiny", device=device)
     t = coor.permute(0, 1, 3, 4, 2, 5).contiguous().permute(0, 1, 4, 2, 3, 5)  # same values
     assert not t.is_contiguous()
-    _assert_equal_ranks(bev_pool_prepare(t, *grid, backend="cuda"),
-                        bev_pool_prepare_reference(coor, *grid))
+    _assert_equal_ranks(
+        bev_pool_prepare(t, *grid, backend="cuda"), bev_pool_prepare_reference(coor, *grid)
+    )
 
 
 @pytest.mark.gpu
@@ -647,18 +746,23 @@ def test_native_dispatch_records():
     bev_pool_prepare(coor.double(), *grid)
     rows = {(r["op"], r["backend"], r["reason"]) for r in kernel_dispatch.records()}
     assert ("bev_pool_prepare", "cuda", "native") in rows
-    assert any(op == "bev_pool_prepare" and b == "reference" and "float64" in why
-               for op, b, why in rows)
+    assert any(
+        op == "bev_pool_prepare" and b == "reference" and "float64" in why for op, b, why in rows
+    )
 
 
 @pytest.mark.gpu
 def test_native_opcheck():
     device = native_gpu_device()
     coor, (lower, interval, size) = _geometry("tiny", device=device)
-    torch.library.opcheck(torch.ops.mu_space.bev_pool_prepare.default,
-                          (coor, list(lower), list(interval), list(size), "cuda"))
-    torch.library.opcheck(torch.ops.mu_space.sort_by_cell.default,
-                          (torch.randint(-3, 40, (5000,), device=device), 37, "cuda"))
+    torch.library.opcheck(
+        torch.ops.mu_space.bev_pool_prepare.default,
+        (coor, list(lower), list(interval), list(size), "cuda"),
+    )
+    torch.library.opcheck(
+        torch.ops.mu_space.sort_by_cell.default,
+        (torch.randint(-3, 40, (5000,), device=device), 37, "cuda"),
+    )
 
 
 @pytest.mark.gpu
@@ -726,15 +830,18 @@ def test_native_entry_points_validate_arguments():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("kind, n, n_cells", [
-    ("uniform", 200_000, 16_384),
-    ("uniform-out-of-range", 100_000, 1000),
-    ("power-law", 300_000, 50_000),
-    ("one-cell", 60_000, 7),
-    ("sparse", 1000, 3_000_000),
-    ("one", 1, 1),
-    ("bev_pool_v2-backward-feat", 177_584, 4224),
-])
+@pytest.mark.parametrize(
+    "kind, n, n_cells",
+    [
+        ("uniform", 200_000, 16_384),
+        ("uniform-out-of-range", 100_000, 1000),
+        ("power-law", 300_000, 50_000),
+        ("one-cell", 60_000, 7),
+        ("sparse", 1000, 3_000_000),
+        ("one", 1, 1),
+        ("bev_pool_v2-backward-feat", 177_584, 4224),
+    ],
+)
 def test_native_sort_by_cell_equals_reference(kind, n, n_cells, dtype):
     device = native_gpu_device()
     g = torch.Generator().manual_seed(11)
@@ -768,9 +875,11 @@ def test_native_sort_by_cell_equals_reference(kind, n, n_cells, dtype):
 @pytest.mark.gpu
 def test_native_sort_by_cell_empty_and_no_cells():
     device = native_gpu_device()
-    for cell, n_cells in ((torch.empty(0, dtype=torch.int64, device=device), 10),
-                          (torch.arange(5, device=device), 0),
-                          (torch.full((100,), -1, device=device), 10)):
+    for cell, n_cells in (
+        (torch.empty(0, dtype=torch.int64, device=device), 10),
+        (torch.arange(5, device=device), 0),
+        (torch.full((100,), -1, device=device), 10),
+    ):
         got = sort_by_cell(cell, n_cells, backend="cuda")
         assert all(t.shape == (0,) and t.dtype == torch.int32 and t.device == device for t in got)
 

@@ -8,7 +8,6 @@ reference `bev_pool_prepare`, so intervals have the real length distribution (1 
 from __future__ import annotations
 
 import functools
-import math
 import sys
 
 import numpy as np
@@ -29,7 +28,9 @@ from mu_space.testing import bev_geometry
 from tests.helpers import assert_close, native_gpu_device, poisoned, tolerance
 from tests.ops import _bev_pool_v2_model as model
 
-bpv2 = sys.modules["mu_space.ops.bev_pool_v2"]  # the module (mu_space.ops.bev_pool_v2 is the function)
+bpv2 = sys.modules[
+    "mu_space.ops.bev_pool_v2"
+]  # the module (mu_space.ops.bev_pool_v2 is the function)
 
 # ---------------------------------------------------------------- inputs
 
@@ -37,13 +38,15 @@ bpv2 = sys.modules["mu_space.ops.bev_pool_v2"]  # the module (mu_space.ops.bev_p
 @functools.lru_cache(maxsize=16)
 def _ranks(config: str, batch: int):
     g = bev_geometry.make(config, batch=batch)
-    r = bev_pool_prepare_reference(g["coor"], g["grid_lower_bound"], g["grid_interval"],
-                                   g["grid_size"])
+    r = bev_pool_prepare_reference(
+        g["coor"], g["grid_lower_bound"], g["grid_interval"], g["grid_size"]
+    )
     return g, r
 
 
-def make_inputs(config="tiny", *, batch=1, channels=None, dtype=torch.float32, device="cpu",
-                seed=0):
+def make_inputs(
+    config="tiny", *, batch=1, channels=None, dtype=torch.float32, device="cpu", seed=0
+):
     """bev_pool_v2 positional arguments from frustum geometry; C may differ from the config's."""
     g, r = _ranks(config, batch)
     cfg = g["config"]
@@ -52,8 +55,16 @@ def make_inputs(config="tiny", *, batch=1, channels=None, dtype=torch.float32, d
     depth = g["depth"].double()
     feat = torch.randn(*g["feat"].shape[:-1], C, generator=gen, dtype=torch.float64)
     B, Z, Y, X, _ = g["bev_feat_shape"]
-    args = (depth.to(dtype), feat.to(dtype), r.ranks_depth, r.ranks_feat, r.ranks_bev,
-            (B, Z, Y, X, C), r.interval_starts, r.interval_lengths)
+    args = (
+        depth.to(dtype),
+        feat.to(dtype),
+        r.ranks_depth,
+        r.ranks_feat,
+        r.ranks_bev,
+        (B, Z, Y, X, C),
+        r.interval_starts,
+        r.interval_lengths,
+    )
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
@@ -77,8 +88,11 @@ def custom_ranks(cells, n_cells, *, n_feat_rows, depth_numel=None, seed=0):
     rb = torch.tensor(sorted(cells), dtype=torch.int32)
     n = rb.numel()
     rf = torch.randint(0, max(n_feat_rows, 1), (n,), generator=gen, dtype=torch.int32)
-    rd = None if depth_numel is None else \
-        torch.randperm(depth_numel, generator=gen)[:n].to(torch.int32)
+    rd = (
+        None
+        if depth_numel is None
+        else torch.randperm(depth_numel, generator=gen)[:n].to(torch.int32)
+    )
     if n:
         _, lengths = torch.unique_consecutive(rb, return_counts=True)
         starts = torch.cumsum(lengths, 0) - lengths
@@ -87,17 +101,27 @@ def custom_ranks(cells, n_cells, *, n_feat_rows, depth_numel=None, seed=0):
     return rd, rf, rb, starts.to(torch.int32), lengths.to(torch.int32)
 
 
-def hand_case(cells, shape, *, with_depth=True, dtype=torch.float64, device="cpu", seed=0,
-              n_frustum=None):
+def hand_case(
+    cells, shape, *, with_depth=True, dtype=torch.float64, device="cpu", seed=0, n_frustum=None
+):
     """Full argument tuple around custom_ranks: depth [1, n_frustum], feat [rows, C]."""
     B, Z, Y, X, C = shape
     n_frustum = n_frustum or max(len(cells), 1) * 2
     rows = max(len(cells), 1) + 3
     gen = torch.Generator().manual_seed(seed + 1)
     feat = torch.randn(rows, C, generator=gen, dtype=torch.float64).to(dtype)
-    depth = torch.rand(1, n_frustum, generator=gen, dtype=torch.float64).to(dtype) if with_depth else None
-    rd, rf, rb, s, l = custom_ranks(cells, B * Z * Y * X, n_feat_rows=rows,
-                                    depth_numel=n_frustum if with_depth else None, seed=seed)
+    depth = (
+        torch.rand(1, n_frustum, generator=gen, dtype=torch.float64).to(dtype)
+        if with_depth
+        else None
+    )
+    rd, rf, rb, s, l = custom_ranks(
+        cells,
+        B * Z * Y * X,
+        n_feat_rows=rows,
+        depth_numel=n_frustum if with_depth else None,
+        seed=seed,
+    )
     args = (depth, feat, rd, rf, rb, shape, s, l)
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
@@ -156,7 +180,8 @@ def test_reference_gradcheck_on_geometry():
     args = list(make_inputs("tiny", channels=2, dtype=torch.float64))
     depth, feat = args[0].requires_grad_(True), args[1].requires_grad_(True)
     assert torch.autograd.gradcheck(
-        lambda d, f: bev_pool_v2_reference(d, f, *args[2:]), (depth, feat), fast_mode=True)
+        lambda d, f: bev_pool_v2_reference(d, f, *args[2:]), (depth, feat), fast_mode=True
+    )
 
 
 @pytest.mark.parametrize("with_depth", [True, False])
@@ -232,14 +257,16 @@ def test_points_outside_grid_are_dropped_by_prepare():
     g, r = _ranks("tiny", 1)
     B, N, D, H, W, _ = g["coor"].shape
     assert r.ranks_bev.numel() < B * N * D * H * W  # the geometry has points outside the grid
-    out = bev_pool_v2(g["depth"].double(), g["feat"].double(),
-                      *r.bev_pool_v2_args(g["bev_feat_shape"]))
+    out = bev_pool_v2(
+        g["depth"].double(), g["feat"].double(), *r.bev_pool_v2_args(g["bev_feat_shape"])
+    )
     # the dropped frustum points' depth does not matter: zero it, same result
     depth = torch.zeros_like(g["depth"]).double()
     flat = depth.view(-1)
     flat[r.ranks_depth.long()] = g["depth"].double().view(-1)[r.ranks_depth.long()]
-    assert torch.equal(bev_pool_v2(depth, g["feat"].double(),
-                                   *r.bev_pool_v2_args(g["bev_feat_shape"])), out)
+    assert torch.equal(
+        bev_pool_v2(depth, g["feat"].double(), *r.bev_pool_v2_args(g["bev_feat_shape"])), out
+    )
 
 
 def test_reference_skips_bad_indices_without_reading_out_of_bounds():
@@ -263,9 +290,13 @@ def test_argument_errors_name_the_argument():
         bev_pool_v2(depth, feat, rd, rf.float(), rb, shape, s, l)
     with pytest.raises(TypeError, match="interval_lengths must be int32, got int64"):
         bev_pool_v2(depth, feat, rd, rf, rb, shape, s, l.long())
-    with pytest.raises(TypeError, match=r"depth must have the dtype of feat \(float32\), got float16"):
+    with pytest.raises(
+        TypeError, match=r"depth must have the dtype of feat \(float32\), got float16"
+    ):
         bev_pool_v2(depth.half(), feat, rd, rf, rb, shape, s, l)
-    with pytest.raises(TypeError, match="feat must be float32, float16, bfloat16 or float64, got int32"):
+    with pytest.raises(
+        TypeError, match="feat must be float32, float16, bfloat16 or float64, got int32"
+    ):
         bev_pool_v2(depth, feat.int(), rd, rf, rb, shape, s, l)
     with pytest.raises(TypeError, match="feat must be a torch.Tensor"):
         bev_pool_v2(depth, feat.tolist(), rd, rf, rb, shape, s, l)
@@ -275,7 +306,9 @@ def test_argument_errors_name_the_argument():
         bev_pool_v2(depth, feat, rd, rf[None], rb, shape, s, l)
     with pytest.raises(ValueError, match="interval_lengths must have .* entries"):
         bev_pool_v2(depth, feat, rd, rf, rb, shape, s, l[:-1])
-    with pytest.raises(ValueError, match=r"feat must be \[..., C\] with C = bev_feat_shape\[4\] = 6"):
+    with pytest.raises(
+        ValueError, match=r"feat must be \[..., C\] with C = bev_feat_shape\[4\] = 6"
+    ):
         bev_pool_v2(depth, feat, rd, rf, rb, shape[:4] + (6,), s, l)
     with pytest.raises(ValueError, match="bev_feat_shape must be 5 ints"):
         bev_pool_v2(depth, feat, rd, rf, rb, shape[:4], s, l)
@@ -307,19 +340,32 @@ def test_validate_accepts_prepared_ranks():
     bev_pool_v2(*make_inputs("tiny", batch=2), validate=True)
 
 
-@pytest.mark.parametrize("name,index,value,pattern", [
-    ("ranks_bev", 5, -1, r"ranks_bev\[5\] = -1 is out of range \[0, 400\)"),
-    ("ranks_bev", 17, 400, r"ranks_bev\[17\] = 400 is out of range"),
-    ("ranks_feat", 3, 10**6, r"ranks_feat\[3\] = 1000000 is out of range \[0, 264\)"),
-    ("ranks_depth", 0, -7, r"ranks_depth\[0\] = -7 is out of range \[0, 2640\)"),
-    ("interval_starts", 2, 10**7, r"interval_starts\[2\] = 10000000 is out of range"),
-    ("interval_lengths", 4, 0, r"interval_lengths\[4\] = 0: the interval .* is empty or exceeds"),
-    ("interval_lengths", 4, 10**7, r"interval_lengths\[4\] = 10000000"),
-])
+@pytest.mark.parametrize(
+    "name,index,value,pattern",
+    [
+        ("ranks_bev", 5, -1, r"ranks_bev\[5\] = -1 is out of range \[0, 400\)"),
+        ("ranks_bev", 17, 400, r"ranks_bev\[17\] = 400 is out of range"),
+        ("ranks_feat", 3, 10**6, r"ranks_feat\[3\] = 1000000 is out of range \[0, 264\)"),
+        ("ranks_depth", 0, -7, r"ranks_depth\[0\] = -7 is out of range \[0, 2640\)"),
+        ("interval_starts", 2, 10**7, r"interval_starts\[2\] = 10000000 is out of range"),
+        (
+            "interval_lengths",
+            4,
+            0,
+            r"interval_lengths\[4\] = 0: the interval .* is empty or exceeds",
+        ),
+        ("interval_lengths", 4, 10**7, r"interval_lengths\[4\] = 10000000"),
+    ],
+)
 def test_validate_raises_index_error_naming_array_and_index(name, index, value, pattern):
     args = list(make_inputs("tiny"))
-    pos = {"ranks_depth": 2, "ranks_feat": 3, "ranks_bev": 4, "interval_starts": 6,
-           "interval_lengths": 7}[name]
+    pos = {
+        "ranks_depth": 2,
+        "ranks_feat": 3,
+        "ranks_bev": 4,
+        "interval_starts": 6,
+        "interval_lengths": 7,
+    }[name]
     t = args[pos].clone()
     t[index] = value
     args[pos] = t
@@ -331,7 +377,9 @@ def test_validate_rejects_unsorted_ranks_and_foreign_intervals():
     args = list(make_inputs("tiny"))
     rb = args[4].clone()
     rb[11] = rb.max()  # rb[12] < rb[11] now
-    with pytest.raises(ValueError, match=r"sorted ascending: ranks_bev\[12\] = \d+ < ranks_bev\[11\]"):
+    with pytest.raises(
+        ValueError, match=r"sorted ascending: ranks_bev\[12\] = \d+ < ranks_bev\[11\]"
+    ):
         validate_inputs(*args[:4], rb, *args[5:])
     s, l = args[6].clone(), args[7].clone()
     s, l = s[1:], l[1:]  # drops the first run: valid indices, but not the runs
@@ -345,15 +393,19 @@ def test_validate_rejects_unsorted_ranks_and_foreign_intervals():
 def test_opcheck_reference_path():
     args = make_inputs("tiny", batch=2, channels=3)
     depth, feat = args[0].requires_grad_(True), args[1].requires_grad_(True)
-    torch.library.opcheck(torch.ops.mu_space.bev_pool_v2.default,
-                          (depth, feat, *args[2:5], list(args[5]), *args[6:], "auto"))
+    torch.library.opcheck(
+        torch.ops.mu_space.bev_pool_v2.default,
+        (depth, feat, *args[2:5], list(args[5]), *args[6:], "auto"),
+    )
 
 
 def test_opcheck_reference_path_without_depth():
     args = make_inputs("tiny", channels=4)
     feat = args[1].requires_grad_(True)
-    torch.library.opcheck(torch.ops.mu_space.bev_pool_v2.default,
-                          (None, feat, None, *args[3:5], list(args[5]), *args[6:], "reference"))
+    torch.library.opcheck(
+        torch.ops.mu_space.bev_pool_v2.default,
+        (None, feat, None, *args[3:5], list(args[5]), *args[6:], "reference"),
+    )
 
 
 def test_torch_compile_sees_the_custom_op_without_graph_breaks():
@@ -372,7 +424,9 @@ def test_registered_in_registry_and_exported():
     assert spec.public and spec.family == "bev" and spec.backward == "native"
     assert spec.native_entry_points == bpv2.ENTRY_POINTS
     assert mu_space.ops.bev_pool_v2 is bev_pool_v2
-    assert all(native.has_function(e) for e in spec.native_entry_points) or not native.status().loaded
+    assert (
+        all(native.has_function(e) for e in spec.native_entry_points) or not native.status().loaded
+    )
     assert len(spec.self_check_cases(torch.device("cpu"))) >= 2
 
 
@@ -401,14 +455,22 @@ def _point_values(args):
     return vals.numpy()
 
 
-@pytest.mark.parametrize("ppb,lanes,window,bitmap_bits", [
-    (64, 16, 87, 4096), (37, 32, 15, 64), (300, 3, 1, 16), (1000, 64, 0, 4096), (9, 128, 5, 8)])
+@pytest.mark.parametrize(
+    "ppb,lanes,window,bitmap_bits",
+    [(64, 16, 87, 4096), (37, 32, 15, 64), (300, 3, 1, 16), (1000, 64, 0, 4096), (9, 128, 5, 8)],
+)
 def test_kernel_model_forward_on_geometry(ppb, lanes, window, bitmap_bits):
     args = make_inputs("tiny", batch=2, dtype=torch.float64)
     B, Z, Y, X, C = args[5]
     out, writes, crossings = model.segmented_pool(
-        args[4].numpy(), _point_values(args), B * Z * Y * X, points_per_block=ppb, lanes=lanes,
-        window=window, bitmap_bits=bitmap_bits)
+        args[4].numpy(),
+        _point_values(args),
+        B * Z * Y * X,
+        points_per_block=ppb,
+        lanes=lanes,
+        window=window,
+        bitmap_bits=bitmap_bits,
+    )
     if window > 0:
         _assert_forward_writes(writes, args[4].numpy(), B * Z * Y * X)
     else:
@@ -418,18 +480,22 @@ def test_kernel_model_forward_on_geometry(ppb, lanes, window, bitmap_bits):
     assert crossings > 0  # some runs crossed slot boundaries
 
 
-@pytest.mark.parametrize("cells,n_cells", [
-    ([5] * 3000, 20),                     # all points in one cell: one run across every block
-    ([0] * 700 + [19] * 700, 20),         # two long runs, empty cells between
-    (list(range(0, 40000, 97)), 40000),   # sparse: long empty gaps, several zeroing rounds
-    ([3], 100000),                        # one point, a huge empty grid
-    ([], 7),                              # nothing
-])
+@pytest.mark.parametrize(
+    "cells,n_cells",
+    [
+        ([5] * 3000, 20),  # all points in one cell: one run across every block
+        ([0] * 700 + [19] * 700, 20),  # two long runs, empty cells between
+        (list(range(0, 40000, 97)), 40000),  # sparse: long empty gaps, several zeroing rounds
+        ([3], 100000),  # one point, a huge empty grid
+        ([], 7),  # nothing
+    ],
+)
 def test_kernel_model_forward_edge_layouts(cells, n_cells):
     keys = np.array(sorted(cells), dtype=np.int64)
     values = np.random.default_rng(0).standard_normal((len(cells), 2))
-    out, writes, _ = model.segmented_pool(keys, values, n_cells, points_per_block=128, lanes=16,
-                                          window=31, bitmap_bits=256)
+    out, writes, _ = model.segmented_pool(
+        keys, values, n_cells, points_per_block=128, lanes=16, window=31, bitmap_bits=256
+    )
     want = np.zeros((n_cells, 2))
     np.add.at(want, keys, values)
     _assert_forward_writes(writes, keys, n_cells)
@@ -439,8 +505,9 @@ def test_kernel_model_forward_edge_layouts(cells, n_cells):
 def test_kernel_model_drops_out_of_range_keys_and_stays_in_bounds():
     keys = np.array([-3, -3, 0, 0, 4, 9, 9, 12, 12, 12])  # sorted; -3 and 12 are outside [0, 10)
     values = np.ones((len(keys), 1))
-    out, writes, _ = model.segmented_pool(keys, values, 10, points_per_block=3, lanes=128,
-                                          window=3, bitmap_bits=8)
+    out, writes, _ = model.segmented_pool(
+        keys, values, 10, points_per_block=3, lanes=128, window=3, bitmap_bits=8
+    )
     _assert_forward_writes(writes, keys, 10)
     np.testing.assert_array_equal(out[:, 0], [2, 0, 0, 0, 1, 0, 0, 0, 0, 2])
 
@@ -448,8 +515,15 @@ def test_kernel_model_drops_out_of_range_keys_and_stays_in_bounds():
 def test_kernel_model_unsorted_keys_never_write_outside():
     rng = np.random.default_rng(1)
     keys = rng.integers(-5, 60, 500)
-    out, writes, _ = model.segmented_pool(keys, rng.standard_normal((500, 1)), 50,
-                                          points_per_block=40, lanes=32, window=7, bitmap_bits=16)
+    out, writes, _ = model.segmented_pool(
+        keys,
+        rng.standard_normal((500, 1)),
+        50,
+        points_per_block=40,
+        lanes=32,
+        window=7,
+        bitmap_bits=16,
+    )
     assert writes.shape == (50,)  # every write landed in [0, 50); values are unspecified
 
 
@@ -466,11 +540,21 @@ def test_kernel_model_deterministic_grad_feat(with_depth):
     grad_rows = g.permute(0, 2, 3, 4, 1).reshape(-1, C)
     n_rows = feat.numel() // C
     order = sort_by_cell_reference(rf, n_rows).order.long()
-    w = torch.ones(order.numel(), dtype=torch.float64) if depth is None else \
-        depth.reshape(-1)[rd.long()[order]]
+    w = (
+        torch.ones(order.numel(), dtype=torch.float64)
+        if depth is None
+        else depth.reshape(-1)[rd.long()[order]]
+    )
     values = (grad_rows[rb.long()[order]] * w.unsqueeze(1)).numpy()
-    out, writes, _ = model.segmented_pool(rf.long()[order].numpy(), values, n_rows,
-                                          points_per_block=50, lanes=5, window=0, bitmap_bits=32)
+    out, writes, _ = model.segmented_pool(
+        rf.long()[order].numpy(),
+        values,
+        n_rows,
+        points_per_block=50,
+        lanes=5,
+        window=0,
+        bitmap_bits=32,
+    )
     assert (writes == 1).all()
     _, want = bev_pool_v2_backward_reference(g, *args)
     np.testing.assert_allclose(out, want.reshape(-1, C).numpy(), atol=1e-12, rtol=1e-12)
@@ -487,8 +571,9 @@ GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def _native_forward(args, out):
     depth, feat, rd, rf, rb = args[:5]
-    native.function("bev_pool_v2_forward")(depth, feat, rd, rf, rb, out, 0,
-                                           torch.cuda.current_stream().cuda_stream)
+    native.function("bev_pool_v2_forward")(
+        depth, feat, rd, rf, rb, out, 0, torch.cuda.current_stream().cuda_stream
+    )
 
 
 def _out_shape(args):
@@ -498,9 +583,17 @@ def _out_shape(args):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("config,batch", [("tiny", 1), ("tiny", 2), ("bevdet-r50", 1),
-                                          ("bevdet-r50", 2), ("bevdet-r50-d88", 1),
-                                          ("bevdet-d118", 1)])
+@pytest.mark.parametrize(
+    "config,batch",
+    [
+        ("tiny", 1),
+        ("tiny", 2),
+        ("bevdet-r50", 1),
+        ("bevdet-r50", 2),
+        ("bevdet-r50-d88", 1),
+        ("bevdet-d118", 1),
+    ],
+)
 @pytest.mark.parametrize("channels", [3, 64, 67, 80])
 def test_native_forward_matches_reference(dtype, config, batch, channels):
     device = native_gpu_device()
@@ -525,15 +618,18 @@ def test_native_forward_without_depth_and_channel_tiles(dtype, channels):
     # Without depth weights a cell sums up to ~500 unit-variance features (|sum| up to ~20), so
     # float32 rounding of two summation orders differs by up to ~500 * 6e-8 * |x|: compare with
     # a float64 reference and allow atol 1e-4 (seen: 5.9e-5 against a float32 reference).
-    ref = bev_pool_v2_reference(*[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                                  else a for a in args]).to(dtype)
+    ref = bev_pool_v2_reference(
+        *[a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    ).to(dtype)
     tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else tolerance(dtype)
     assert_close(out, ref, **tol)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,channels", [(torch.float32, 300), (torch.float16, 520),
-                                            (torch.bfloat16, 258), (torch.float32, 131)])
+@pytest.mark.parametrize(
+    "dtype,channels",
+    [(torch.float32, 300), (torch.float16, 520), (torch.bfloat16, 258), (torch.float32, 131)],
+)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_native_channel_tiles_forward_and_backward(dtype, channels, deterministic):
     """C beyond one channel tile (128 float32 / 256 16-bit channels per tile in grid.y): each
@@ -566,16 +662,22 @@ def test_native_forward_unaligned_feat_falls_back_to_scalar_loads():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_depth", [True, False])
-@pytest.mark.parametrize("cells,shape", [
-    ([], (1, 1, 4, 5, 3)),                                   # empty: zeros everywhere
-    ([7], (1, 1, 4, 5, 64)),                                 # one point
-    ([13] * 20000, (2, 1, 8, 8, 16)),                        # every point in one cell
-    ([3] * 5000 + [60] * 7000 + [61], (1, 1, 8, 8, 80)),     # long runs across blocks
-    (list(range(0, 300000, 331)), (3, 1, 300, 400, 4)),       # sparse: pre-zeroed output
-    ([5, 6, 7], (2, 1, 64, 64, 8)),                          # a whole empty batch after them
-    (sorted(i % 100 for i in range(100000)), (2, 1, 100, 100, 4)),  # dense batch 0, empty batch 1:
-                                                             # one block zeroes 19900 cells (5 rounds)
-])
+@pytest.mark.parametrize(
+    "cells,shape",
+    [
+        ([], (1, 1, 4, 5, 3)),  # empty: zeros everywhere
+        ([7], (1, 1, 4, 5, 64)),  # one point
+        ([13] * 20000, (2, 1, 8, 8, 16)),  # every point in one cell
+        ([3] * 5000 + [60] * 7000 + [61], (1, 1, 8, 8, 80)),  # long runs across blocks
+        (list(range(0, 300000, 331)), (3, 1, 300, 400, 4)),  # sparse: pre-zeroed output
+        ([5, 6, 7], (2, 1, 64, 64, 8)),  # a whole empty batch after them
+        (
+            sorted(i % 100 for i in range(100000)),
+            (2, 1, 100, 100, 4),
+        ),  # dense batch 0, empty batch 1:
+        # one block zeroes 19900 cells (5 rounds)
+    ],
+)
 def test_native_forward_edge_cases(cells, shape, with_depth):
     device = native_gpu_device()
     args = hand_case(cells, shape, with_depth=with_depth, dtype=torch.float32, device=device)
@@ -588,9 +690,16 @@ def test_native_forward_edge_cases(cells, shape, with_depth):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("config,channels,batch", [("tiny", 5, 2), ("bevdet-r50", 64, 1),
-                                                   ("bevdet-r50", 67, 2), ("bevdet-d118", 80, 1),
-                                                   ("bevdet-r50", 3, 1)])
+@pytest.mark.parametrize(
+    "config,channels,batch",
+    [
+        ("tiny", 5, 2),
+        ("bevdet-r50", 64, 1),
+        ("bevdet-r50", 67, 2),
+        ("bevdet-d118", 80, 1),
+        ("bevdet-r50", 3, 1),
+    ],
+)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_native_backward_matches_reference(dtype, config, channels, batch, deterministic):
     device = native_gpu_device()
@@ -629,8 +738,16 @@ def test_native_backward_entry_point_writes_every_element():
     order = sort_by_cell_reference(rf.cpu(), feat.numel() // C).order.to(device)
     grad_feat = poisoned(feat.shape, feat.dtype, device)
     native.function("bev_pool_v2_backward_feat_sorted")(
-        g.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous(), depth, rd, rf, rb, order, grad_feat, 0,
-        torch.cuda.current_stream().cuda_stream)
+        g.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous(),
+        depth,
+        rd,
+        rf,
+        rb,
+        order,
+        grad_feat,
+        0,
+        torch.cuda.current_stream().cuda_stream,
+    )
     _, want = bev_pool_v2_backward_reference(g, *args)
     assert_close(grad_feat, want, atol=1e-4, rtol=1e-5)
 
@@ -647,8 +764,10 @@ def test_deterministic_mode_is_bit_exact_over_reruns():
             depth = args[0].clone().requires_grad_(True)
             feat = args[1].clone().requires_grad_(True)
             out = bev_pool_v2(depth, feat, *args[2:], backend="native")
-            out.backward(torch.ones_like(out) * 0.37 + torch.arange(out.numel(), device=device)
-                         .view_as(out) % 7)
+            out.backward(
+                torch.ones_like(out) * 0.37
+                + torch.arange(out.numel(), device=device).view_as(out) % 7
+            )
             results.append((out.detach(), depth.grad, feat.grad))
     finally:
         torch.use_deterministic_algorithms(was)
@@ -716,9 +835,14 @@ def test_cuda_graph_capture_of_forward_and_backward():
     static_g.copy_(torch.randn_like(static_g))
     graph.replay()
     torch.cuda.synchronize(device)
-    want_d, want_f = bev_pool_v2_backward_reference(static_g, depth.detach(), feat.detach(), *args[2:])
-    assert_close(static_out, bev_pool_v2_reference(depth.detach(), feat.detach(), *args[2:]),
-                 **tolerance(torch.float32))
+    want_d, want_f = bev_pool_v2_backward_reference(
+        static_g, depth.detach(), feat.detach(), *args[2:]
+    )
+    assert_close(
+        static_out,
+        bev_pool_v2_reference(depth.detach(), feat.detach(), *args[2:]),
+        **tolerance(torch.float32),
+    )
     assert_close(feat.grad, want_f, atol=1e-4, rtol=1e-5, name="grad_feat")
     assert_close(depth.grad, want_d, atol=1e-4, rtol=1e-5, name="grad_depth")
 
@@ -728,8 +852,10 @@ def test_native_opcheck():
     device = native_gpu_device()
     args = make_inputs("tiny", batch=2, channels=67, device=device)
     depth, feat = args[0].requires_grad_(True), args[1].requires_grad_(True)
-    torch.library.opcheck(torch.ops.mu_space.bev_pool_v2.default,
-                          (depth, feat, *args[2:5], list(args[5]), *args[6:], "cuda"))
+    torch.library.opcheck(
+        torch.ops.mu_space.bev_pool_v2.default,
+        (depth, feat, *args[2:5], list(args[5]), *args[6:], "cuda"),
+    )
 
 
 @pytest.mark.gpu
@@ -750,8 +876,12 @@ def test_bad_indices_never_crash_and_validate_raises(corruption):
             t = t[torch.randperm(n, generator=gen).to(device)]
         args[pos] = t
     if corruption == "garbage_intervals":
-        args[6] = torch.randint(-10**6, 10**6, args[6].shape, generator=gen, dtype=torch.int32).to(device)
-        args[7] = torch.randint(-10**6, 10**6, args[7].shape, generator=gen, dtype=torch.int32).to(device)
+        args[6] = torch.randint(
+            -(10**6), 10**6, args[6].shape, generator=gen, dtype=torch.int32
+        ).to(device)
+        args[7] = torch.randint(
+            -(10**6), 10**6, args[7].shape, generator=gen, dtype=torch.int32
+        ).to(device)
     depth = args[0].clone().requires_grad_(True)
     feat = args[1].clone().requires_grad_(True)
     out = bev_pool_v2(depth, feat, *args[2:], backend="cuda")
@@ -787,7 +917,7 @@ def test_output_beyond_int32_elements():
         pts = [i for i, c in enumerate(cells) if c == cell]
         want = sum(w[args[2][i]] * rows[args[3][i]] for i in pts)
         assert_close(flat[:, cell].float(), want, atol=2e-2, rtol=2e-3)
-    assert not flat[:, 2:n_cells // 2].any() and not flat[:, n_cells // 2 + 1:n_cells - 2].any()
+    assert not flat[:, 2 : n_cells // 2].any() and not flat[:, n_cells // 2 + 1 : n_cells - 2].any()
 
 
 @pytest.mark.gpu
@@ -801,7 +931,9 @@ def test_native_entry_point_validates_arguments():
         fn(depth, feat, rd, rf, rb.long(), out, 0, stream)
     with pytest.raises(TypeError, match="feat must be float32, float16 or bfloat16, got float64"):
         fn(depth.double(), feat.double(), rd, rf, rb, out.double(), 0, stream)
-    with pytest.raises(TypeError, match=r"depth must have the dtype of feat \(float32\), got float16"):
+    with pytest.raises(
+        TypeError, match=r"depth must have the dtype of feat \(float32\), got float16"
+    ):
         fn(depth.half(), feat, rd, rf, rb, out, 0, stream)
     with pytest.raises(ValueError, match="feat must be a cuda tensor, got cpu:0"):
         fn(depth, feat.cpu(), rd, rf, rb, out, 0, stream)
@@ -835,6 +967,7 @@ def test_points_per_block_override_keeps_results():
     want = bev_pool_v2_reference(*args)
     for ppb in (1, 7, 64, 1000, 100000):
         out = poisoned(_out_shape(args), torch.float32, device)
-        native.function("bev_pool_v2_forward")(*args[:5], out, ppb,
-                                               torch.cuda.current_stream().cuda_stream)
+        native.function("bev_pool_v2_forward")(
+            *args[:5], out, ppb, torch.cuda.current_stream().cuda_stream
+        )
         assert_close(out, want, **tolerance(torch.float32))

@@ -12,7 +12,7 @@ import torch
 import mu_space
 from mu_space.ops.bev_pool import bev_pool
 from mu_space.ops.bev_pool_v3 import bev_pool_v3, bev_pool_v3_reference
-from mu_space.runtime import kernel_dispatch, registry
+from mu_space.runtime import registry
 from mu_space.testing.bev_pool_inputs import bevdet_ranks, bevfusion_inputs
 from tests.helpers import assert_close, native_gpu_device, tolerance
 from tests.ops import _bev_fakes
@@ -49,7 +49,14 @@ def loop_bev_pool_v3(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_s
 
 
 def args_of(a):
-    return a["depth"], a["feat"], a["ranks_depth"], a["ranks_feat"], a["ranks_bev"], a["bev_feat_shape"]
+    return (
+        a["depth"],
+        a["feat"],
+        a["ranks_depth"],
+        a["ranks_feat"],
+        a["ranks_bev"],
+        a["bev_feat_shape"],
+    )
 
 
 # ---------------------------------------------------------------- reference path
@@ -70,8 +77,14 @@ def test_reference_matches_loop_on_frustum_geometry(batch, shuffle):
 def test_unsorted_equals_sorted():
     a = bevdet_ranks("tiny", batch=2, shuffle=True, dtype=torch.float64)
     order = torch.sort(a["ranks_bev"].long(), stable=True).indices
-    sorted_args = (a["depth"], a["feat"], a["ranks_depth"][order], a["ranks_feat"][order],
-                   a["ranks_bev"][order], a["bev_feat_shape"])
+    sorted_args = (
+        a["depth"],
+        a["feat"],
+        a["ranks_depth"][order],
+        a["ranks_feat"][order],
+        a["ranks_bev"][order],
+        a["bev_feat_shape"],
+    )
     assert_close(bev_pool_v3(*args_of(a)), bev_pool_v3(*sorted_args), atol=1e-12, rtol=1e-12)
 
 
@@ -84,8 +97,14 @@ def test_layout_one_point():
     feat[1] = torch.tensor([2.0, -4.0])
     b, z, y, x = 1, 2, 3, 4
     cell = ((b * Z + z) * Y + y) * X + x
-    out = bev_pool_v3(depth, feat, torch.tensor([6], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
-                      torch.tensor([cell], dtype=torch.int32), (B, Z, Y, X, C))
+    out = bev_pool_v3(
+        depth,
+        feat,
+        torch.tensor([6], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([cell], dtype=torch.int32),
+        (B, Z, Y, X, C),
+    )
     assert torch.equal(out[b, :, z, y, x], torch.tensor([1.0, -2.0]))
     out[b, :, z, y, x] = 0
     assert not out.any()
@@ -98,7 +117,12 @@ def test_v1_mode_is_bevfusion_bev_pool():
     for coords in (a["coords"], a["coords"].int()):
         got = bev_pool_v3(None, a["feats"], None, None, coords, shape)
         assert torch.equal(got, bev_pool(a["feats"], a["coords"], a["B"], a["D"], a["H"], a["W"]))
-        assert_close(got, loop_bev_pool_v3(None, a["feats"], None, None, coords, shape), atol=1e-12, rtol=1e-12)
+        assert_close(
+            got,
+            loop_bev_pool_v3(None, a["feats"], None, None, coords, shape),
+            atol=1e-12,
+            rtol=1e-12,
+        )
 
 
 def test_drivingsdk_v1_example():
@@ -116,7 +140,9 @@ def test_no_depth_with_flat_ranks_and_ranks_feat():
     """Extension: depth=None, 1-D ranks_bev and a ranks_feat: weight-1 pooling of gathered rows."""
     a = bevdet_ranks("tiny", batch=2, shuffle=True, dtype=torch.float64)
     got = bev_pool_v3(None, a["feat"], None, a["ranks_feat"], a["ranks_bev"], a["bev_feat_shape"])
-    want = loop_bev_pool_v3(None, a["feat"], None, a["ranks_feat"], a["ranks_bev"], a["bev_feat_shape"])
+    want = loop_bev_pool_v3(
+        None, a["feat"], None, a["ranks_feat"], a["ranks_bev"], a["bev_feat_shape"]
+    )
     assert_close(got, want, atol=1e-12, rtol=1e-12)
 
 
@@ -146,7 +172,9 @@ def test_out_of_range_indices_are_dropped_and_validate_raises():
 
 
 def test_v1_mode_drops_coordinates_out_of_their_column_range():
-    geom = torch.tensor([[0, 7, 0, 0], [0, 6, 0, 0], [-1, 0, 0, 0], [0, 0, 0, 1]], dtype=torch.int32)
+    geom = torch.tensor(
+        [[0, 7, 0, 0], [0, 6, 0, 0], [-1, 0, 0, 0], [0, 0, 0, 1]], dtype=torch.int32
+    )
     out = bev_pool_v3(None, torch.ones(4, 3), None, None, geom, (1, 1, 2, 7, 3))
     want = torch.zeros(1, 3, 1, 2, 7)
     want[0, :, 0, 0, 6] = 1  # w == 7 did not wrap into (h=1, w=0)
@@ -162,17 +190,27 @@ def test_empty_and_degenerate():
     assert out.shape == (1, 5, 1, 20, 20) and not out.any()
     out.sum().backward()
     assert not depth.grad.any() and not feat.grad.any()
-    out = bev_pool_v3(None, torch.zeros(0, 4), None, None, torch.zeros(0, 4, dtype=torch.int32), (2, 1, 3, 3, 4))
+    out = bev_pool_v3(
+        None, torch.zeros(0, 4), None, None, torch.zeros(0, 4, dtype=torch.int32), (2, 1, 3, 3, 4)
+    )
     assert out.shape == (2, 4, 1, 3, 3) and not out.any()
     # one point, every point in one cell
-    one = bev_pool_v3(torch.tensor([2.0]), torch.tensor([[1.0, 3.0]]), torch.tensor([0], dtype=torch.int32),
-                      torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), (1, 1, 1, 2, 2))
+    one = bev_pool_v3(
+        torch.tensor([2.0]),
+        torch.tensor([[1.0, 3.0]]),
+        torch.tensor([0], dtype=torch.int32),
+        torch.tensor([0], dtype=torch.int32),
+        torch.tensor([1], dtype=torch.int32),
+        (1, 1, 1, 2, 2),
+    )
     assert torch.equal(one.flatten(), torch.tensor([0.0, 2.0, 0.0, 6.0]))
     n = 500
     idx = torch.arange(n, dtype=torch.int32)
     depth = torch.rand(n, dtype=torch.float64)
     feat = torch.randn(n, 3, dtype=torch.float64)
-    out = bev_pool_v3(depth, feat, idx, idx, torch.full((n,), 3, dtype=torch.int32), (1, 1, 2, 2, 3))
+    out = bev_pool_v3(
+        depth, feat, idx, idx, torch.full((n,), 3, dtype=torch.int32), (1, 1, 2, 2, 3)
+    )
     assert_close(out[0, :, 0, 1, 1], (depth[:, None] * feat).sum(0), atol=1e-12, rtol=1e-12)
 
 
@@ -199,7 +237,8 @@ def test_gradcheck_float64_depth_mode():
     depth = a["depth"].clone().requires_grad_(True)
     feat = a["feat"].clone().requires_grad_(True)
     assert torch.autograd.gradcheck(
-        lambda d, f: bev_pool_v3(d, f, rd, rf, rb, a["bev_feat_shape"]), (depth, feat))
+        lambda d, f: bev_pool_v3(d, f, rd, rf, rb, a["bev_feat_shape"]), (depth, feat)
+    )
 
 
 def test_gradcheck_float64_v1_mode():
@@ -207,30 +246,86 @@ def test_gradcheck_float64_v1_mode():
     idx = torch.randperm(a["feats"].shape[0])[:300]
     feats = a["feats"][idx].clone().requires_grad_(True)
     shape = (a["B"], a["D"], a["H"], a["W"], 3)
-    assert torch.autograd.gradcheck(lambda f: bev_pool_v3(None, f, None, None, a["coords"][idx], shape), (feats,))
+    assert torch.autograd.gradcheck(
+        lambda f: bev_pool_v3(None, f, None, None, a["coords"][idx], shape), (feats,)
+    )
 
 
 def _i32(*values):
     return torch.tensor(values, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("mutate, error, message", [
-    (lambda a: {**a, "feat": a["feat"].int()}, TypeError, "feat must be a floating tensor, got int32"),
-    (lambda a: {**a, "depth": a["depth"].half()}, TypeError, r"depth must have the dtype of feat \(float32\), got float16"),
-    (lambda a: {**a, "ranks_depth": a["ranks_depth"].long()}, TypeError, "ranks_depth must be int32, got int64"),
-    (lambda a: {**a, "ranks_feat": a["ranks_feat"][1:]}, ValueError, r"ranks_feat.shape\[0\] must be"),
-    (lambda a: {**a, "ranks_bev": a["ranks_bev"].float()}, TypeError, "ranks_bev must be int32, got float32"),
-    (lambda a: {**a, "ranks_bev": a["ranks_bev"].view(-1, 1)}, ValueError, r"ranks_bev.shape\[1\] must be 4"),
-    (lambda a: {**a, "ranks_depth": None}, ValueError, "depth and ranks_depth must be given together"),
-    (lambda a: {**a, "ranks_feat": None}, ValueError, "ranks_feat must be given when depth is given"),
-    (lambda a: {**a, "bev_feat_shape": (1, 1, 20, 20)}, ValueError, "bev_feat_shape must be 5 integers"),
-    (lambda a: {**a, "bev_feat_shape": (1, 1, 20, 20, 6)}, ValueError, "feat must have C = bev_feat_shape"),
-    (lambda a: {**a, "bev_feat_shape": (1, 1, -20, 20, 5)}, ValueError, r"bev_feat_shape\[2\] \(Y\) must be >= 0"),
-    (lambda a: {**a, "ranks_bev": a["ranks_bev"].to("meta")}, ValueError, "ranks_bev must be on cpu"),
-    (lambda a: {**a, "depth": None, "ranks_depth": None, "ranks_feat": None}, ValueError,
-     r"feat must be \[n, C\]"),
-    (lambda a: {**a, "feat": [1.0]}, TypeError, "feat must be a torch.Tensor, got list"),
-])
+@pytest.mark.parametrize(
+    "mutate, error, message",
+    [
+        (
+            lambda a: {**a, "feat": a["feat"].int()},
+            TypeError,
+            "feat must be a floating tensor, got int32",
+        ),
+        (
+            lambda a: {**a, "depth": a["depth"].half()},
+            TypeError,
+            r"depth must have the dtype of feat \(float32\), got float16",
+        ),
+        (
+            lambda a: {**a, "ranks_depth": a["ranks_depth"].long()},
+            TypeError,
+            "ranks_depth must be int32, got int64",
+        ),
+        (
+            lambda a: {**a, "ranks_feat": a["ranks_feat"][1:]},
+            ValueError,
+            r"ranks_feat.shape\[0\] must be",
+        ),
+        (
+            lambda a: {**a, "ranks_bev": a["ranks_bev"].float()},
+            TypeError,
+            "ranks_bev must be int32, got float32",
+        ),
+        (
+            lambda a: {**a, "ranks_bev": a["ranks_bev"].view(-1, 1)},
+            ValueError,
+            r"ranks_bev.shape\[1\] must be 4",
+        ),
+        (
+            lambda a: {**a, "ranks_depth": None},
+            ValueError,
+            "depth and ranks_depth must be given together",
+        ),
+        (
+            lambda a: {**a, "ranks_feat": None},
+            ValueError,
+            "ranks_feat must be given when depth is given",
+        ),
+        (
+            lambda a: {**a, "bev_feat_shape": (1, 1, 20, 20)},
+            ValueError,
+            "bev_feat_shape must be 5 integers",
+        ),
+        (
+            lambda a: {**a, "bev_feat_shape": (1, 1, 20, 20, 6)},
+            ValueError,
+            "feat must have C = bev_feat_shape",
+        ),
+        (
+            lambda a: {**a, "bev_feat_shape": (1, 1, -20, 20, 5)},
+            ValueError,
+            r"bev_feat_shape\[2\] \(Y\) must be >= 0",
+        ),
+        (
+            lambda a: {**a, "ranks_bev": a["ranks_bev"].to("meta")},
+            ValueError,
+            "ranks_bev must be on cpu",
+        ),
+        (
+            lambda a: {**a, "depth": None, "ranks_depth": None, "ranks_feat": None},
+            ValueError,
+            r"feat must be \[n, C\]",
+        ),
+        (lambda a: {**a, "feat": [1.0]}, TypeError, "feat must be a torch.Tensor, got list"),
+    ],
+)
 def test_bad_inputs_name_the_argument(mutate, error, message):
     a = mutate(bevdet_ranks("tiny"))
     with pytest.raises(error, match=message):
@@ -250,8 +345,12 @@ def test_torch_compile_fullgraph_reference():
     assert depth.grad is not None
     v1 = bevfusion_inputs("tiny", keep_out_of_range=True)
     shape = (v1["B"], v1["D"], v1["H"], v1["W"], v1["feats"].shape[1])
-    assert_close(fn(None, v1["feats"], None, None, v1["coords"], shape),
-                 bev_pool_v3(None, v1["feats"], None, None, v1["coords"], shape), atol=1e-5, rtol=1e-5)
+    assert_close(
+        fn(None, v1["feats"], None, None, v1["coords"], shape),
+        bev_pool_v3(None, v1["feats"], None, None, v1["coords"], shape),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_registry_entry():
@@ -353,15 +452,25 @@ def test_native_composition_v1_mode_with_contract_fakes(monkeypatch):
     shape = (v1["B"], v1["D"], v1["H"], v1["W"], v1["feats"].shape[1])
     out = bev_pool_v3(None, v1["feats"], None, None, v1["coords"].int(), shape)
     assert calls.pool["depth"] is None and calls.pool["ranks_feat"].dtype == torch.int32
-    assert_close(out.double(), loop_bev_pool_v3(None, v1["feats"], None, None, v1["coords"], shape),
-                 atol=1e-6, rtol=1e-6)
+    assert_close(
+        out.double(),
+        loop_bev_pool_v3(None, v1["feats"], None, None, v1["coords"], shape),
+        atol=1e-6,
+        rtol=1e-6,
+    )
 
 
 # ---------------------------------------------------------------- native (GPU)
 
 # (config, batch, channels): BEVDet configs, odd channel counts, B > 1; ranks shuffled.
-GPU_CASES = [("tiny", 1, None), ("bevdet-r50", 1, None), ("bevdet-r50", 2, 3), ("bevdet-r50", 1, 67),
-             ("bevdet-r50-d88", 1, None), ("bevdet-d118", 2, 80)]
+GPU_CASES = [
+    ("tiny", 1, None),
+    ("bevdet-r50", 1, None),
+    ("bevdet-r50", 2, 3),
+    ("bevdet-r50", 1, 67),
+    ("bevdet-r50-d88", 1, None),
+    ("bevdet-d118", 2, 80),
+]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -433,7 +542,9 @@ def test_native_bad_indices_never_crash():
     torch.cuda.synchronize(device)  # an illegal access would surface here
     keep = torch.ones(rb.shape[0], dtype=torch.bool, device=device)
     keep[:400] = False
-    want = bev_pool_v3(a["depth"], a["feat"], rd[keep], rf[keep], rb[keep], a["bev_feat_shape"], backend="cuda")
+    want = bev_pool_v3(
+        a["depth"], a["feat"], rd[keep], rf[keep], rb[keep], a["bev_feat_shape"], backend="cuda"
+    )
     assert_close(got, want, **tolerance(torch.float32))
     with pytest.raises(IndexError, match="ranks_bev"):
         bev_pool_v3(*args, backend="cuda", validate=True)
@@ -444,16 +555,29 @@ def test_native_edge_cases():
     device = native_gpu_device()
     e = torch.zeros(0, dtype=torch.int32, device=device)
     a = bevdet_ranks("tiny", device=device)
-    assert not bev_pool_v3(a["depth"], a["feat"], e, e, e, a["bev_feat_shape"], backend="cuda").any()
+    assert not bev_pool_v3(
+        a["depth"], a["feat"], e, e, e, a["bev_feat_shape"], backend="cuda"
+    ).any()
     n = 100_000
     idx = torch.arange(n, dtype=torch.int32, device=device)
     depth = torch.rand(n, device=device)
     feat = torch.randn(n, 3, device=device)
-    out = bev_pool_v3(depth, feat, idx, idx, torch.full((n,), 3, dtype=torch.int32, device=device),
-                      (1, 1, 2, 2, 3), backend="cuda")
+    out = bev_pool_v3(
+        depth,
+        feat,
+        idx,
+        idx,
+        torch.full((n,), 3, dtype=torch.int32, device=device),
+        (1, 1, 2, 2, 3),
+        backend="cuda",
+    )
     # float32 sum of 1e5 products of magnitude <~1 (partial sums ~100): rounding ~1e-2 at most
-    assert_close(out[0, :, 0, 1, 1].double(), (depth[:, None].double() * feat.double()).sum(0),
-                 atol=5e-2, rtol=1e-5)
+    assert_close(
+        out[0, :, 0, 1, 1].double(),
+        (depth[:, None].double() * feat.double()).sum(0),
+        atol=5e-2,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.gpu
@@ -466,8 +590,15 @@ def test_native_forward_is_deterministic_and_order_independent():
     # the stable sort keeps the points of a cell in index order, so a different shuffle of the
     # same points may sum in another order: equal up to float32 rounding
     perm = torch.randperm(a["ranks_bev"].shape[0], device=device)
-    again = bev_pool_v3(a["depth"], a["feat"], a["ranks_depth"][perm], a["ranks_feat"][perm],
-                        a["ranks_bev"][perm], a["bev_feat_shape"], backend="cuda")
+    again = bev_pool_v3(
+        a["depth"],
+        a["feat"],
+        a["ranks_depth"][perm],
+        a["ranks_feat"][perm],
+        a["ranks_bev"][perm],
+        a["bev_feat_shape"],
+        backend="cuda",
+    )
     assert_close(again, first, **tolerance(torch.float32))
 
 

@@ -68,10 +68,16 @@ def naive_msda(value, shapes, starts, loc, attn):
                         y0, x0 = math.floor(y), math.floor(x)
                         ly, lx = y - y0, x - x0
                         a = at[b, q, h, l, p].item()
-                        for cy, cx, wgt in ((y0, x0, (1 - ly) * (1 - lx)), (y0, x0 + 1, (1 - ly) * lx),
-                                            (y0 + 1, x0, ly * (1 - lx)), (y0 + 1, x0 + 1, ly * lx)):
+                        for cy, cx, wgt in (
+                            (y0, x0, (1 - ly) * (1 - lx)),
+                            (y0, x0 + 1, (1 - ly) * lx),
+                            (y0 + 1, x0, ly * (1 - lx)),
+                            (y0 + 1, x0 + 1, ly * lx),
+                        ):
                             if 0 <= cy < hl and 0 <= cx < wl:
-                                out[b, q, h * dim:(h + 1) * dim] += a * wgt * v[b, start + cy * wl + cx, h]
+                                out[b, q, h * dim : (h + 1) * dim] += (
+                                    a * wgt * v[b, start + cy * wl + cx, h]
+                                )
     return out
 
 
@@ -86,7 +92,9 @@ def border_inputs(dtype=torch.float64, device="cpu", seed=0):
     value = torch.randn(bs, num_keys, heads, dim, generator=g, dtype=torch.float64)
     loc = torch.rand(bs, queries, heads, len(levels), points, 2, generator=g, dtype=torch.float64)
     size = torch.tensor([[w, h] for h, w in levels], dtype=torch.float64).view(1, 1, 1, -1, 1, 2)
-    specials = torch.tensor([0.0, 1.0, -0.5, -0.25, 0.25, 1.0 - 1e-3, 1.5, -3.0, 2.0], dtype=torch.float64)
+    specials = torch.tensor(
+        [0.0, 1.0, -0.5, -0.25, 0.25, 1.0 - 1e-3, 1.5, -3.0, 2.0], dtype=torch.float64
+    )
     # in pixel units: -1 (excluded), size (excluded), and fractions around the borders
     pix_specials = torch.tensor([-1.0, -0.999, -0.5, -0.001], dtype=torch.float64)
     flat = loc.view(-1, 2)
@@ -102,20 +110,38 @@ def border_inputs(dtype=torch.float64, device="cpu", seed=0):
     far = torch.rand(pix.shape, generator=g) < 0.05
     pix = torch.where(far, size.expand_as(pix), pix)  # x == w exactly (excluded)
     loc = (pix + 0.5) / size
-    attn = torch.softmax(torch.randn(bs, queries, heads, len(levels) * points, generator=g,
-                                     dtype=torch.float64), -1).view(bs, queries, heads, len(levels), points)
-    return tuple(t.to(device) for t in (value.to(dtype), shapes, starts, loc.to(dtype), attn.to(dtype)))
+    attn = torch.softmax(
+        torch.randn(bs, queries, heads, len(levels) * points, generator=g, dtype=torch.float64), -1
+    ).view(bs, queries, heads, len(levels), points)
+    return tuple(
+        t.to(device) for t in (value.to(dtype), shapes, starts, loc.to(dtype), attn.to(dtype))
+    )
 
 
 def random_levels(n_levels: int, generator: torch.Generator, max_side: int = 23):
-    return tuple((int(torch.randint(1, max_side, (1,), generator=generator)),
-                  int(torch.randint(1, max_side, (1,), generator=generator))) for _ in range(n_levels))
+    return tuple(
+        (
+            int(torch.randint(1, max_side, (1,), generator=generator)),
+            int(torch.randint(1, max_side, (1,), generator=generator)),
+        )
+        for _ in range(n_levels)
+    )
 
 
 def config(levels, *, batch=2, queries=37, heads=3, head_dim=8, points=4) -> MSDAConfig:
     rows = max(1, int(math.sqrt(queries)))
-    return MSDAConfig("test", batch, queries, heads, head_dim, tuple(levels), points,
-                      (rows, math.ceil(queries / rows)), offset_noise=1.5, outside_fraction=0.1)
+    return MSDAConfig(
+        "test",
+        batch,
+        queries,
+        heads,
+        head_dim,
+        tuple(levels),
+        points,
+        (rows, math.ceil(queries / rows)),
+        offset_noise=1.5,
+        outside_fraction=0.1,
+    )
 
 
 @contextlib.contextmanager
@@ -149,13 +175,18 @@ def test_loops_would_catch_a_wrong_border_rule():
     """The loop reference must be able to fail: clamping instead of zero padding differs."""
     value, shapes, starts, loc, attn = border_inputs()
     clamped = loc.clamp(0.0, 1.0)
-    assert not torch.allclose(naive_msda(value, shapes, starts, loc, attn),
-                              naive_msda(value, shapes, starts, clamped, attn))
+    assert not torch.allclose(
+        naive_msda(value, shapes, starts, loc, attn),
+        naive_msda(value, shapes, starts, clamped, attn),
+    )
 
 
 def test_reference_gradcheck_float64():
-    inputs = msda_inputs.make(config(((5, 7), (3, 4)), batch=2, queries=6, heads=2, head_dim=3,
-                                     points=3), dtype=torch.float64, seed=5)
+    inputs = msda_inputs.make(
+        config(((5, 7), (3, 4)), batch=2, queries=6, heads=2, head_dim=3, points=3),
+        dtype=torch.float64,
+        seed=5,
+    )
     value, shapes, starts, loc, attn = msda_inputs.args(inputs)
     loc = msda_inputs.nudge_off_pixel_edges(loc, shapes, margin=1e-2)
     inputs = [value.requires_grad_(), loc.requires_grad_(), attn.requires_grad_()]
@@ -219,21 +250,28 @@ def test_float16_and_bfloat16_reference_compute_in_float32():
         low = [t.to(dtype) if t.is_floating_point() else t for t in args]
         got = multi_scale_deformable_attn(*low)
         assert got.dtype == dtype
-        exact = multi_scale_deformable_attn_reference(*[t.float() if t.is_floating_point() else t
-                                                         for t in low])
+        exact = multi_scale_deformable_attn_reference(
+            *[t.float() if t.is_floating_point() else t for t in low]
+        )
         assert_scaled_close(got, exact, dtype, str(dtype))
         assert_scaled_close(got, want, torch.bfloat16, "vs float32 inputs")  # input rounding only
 
 
 def test_mixed_dtypes_raise_type_error_naming_the_argument():
     value, shapes, starts, loc, attn = msda_inputs.args(msda_inputs.make("tiny"))
-    with pytest.raises(TypeError, match=r"sampling_locations must have the dtype of value \(float32\), got float16"):
+    with pytest.raises(
+        TypeError, match=r"sampling_locations must have the dtype of value \(float32\), got float16"
+    ):
         multi_scale_deformable_attn(value, shapes, starts, loc.half(), attn)
-    with pytest.raises(TypeError, match=r"attention_weights must have the dtype of value \(float32\), got float64"):
+    with pytest.raises(
+        TypeError, match=r"attention_weights must have the dtype of value \(float32\), got float64"
+    ):
         multi_scale_deformable_attn(value, shapes, starts, loc, attn.double())
     with pytest.raises(TypeError, match="value_spatial_shapes must be int32 or int64, got float32"):
         multi_scale_deformable_attn(value, shapes.float(), starts, loc, attn)
-    with pytest.raises(TypeError, match="value_level_start_index must be int32 or int64, got int16"):
+    with pytest.raises(
+        TypeError, match="value_level_start_index must be int32 or int64, got int16"
+    ):
         multi_scale_deformable_attn(value, shapes, starts.short(), loc, attn)
     with pytest.raises(TypeError, match="value must be a floating tensor, got int64"):
         multi_scale_deformable_attn(value.long(), shapes, starts, loc, attn)
@@ -259,7 +297,9 @@ def test_inconsistent_level_metadata_raises_value_error():
     value, shapes, starts, loc, attn = msda_inputs.args(msda_inputs.make("tiny"))
     bigger = shapes.clone()
     bigger[0, 0] += 1
-    with pytest.raises(ValueError, match=r"sum\(h \* w\) = 78 but value.shape\[1\] \(num_keys\) = 69"):
+    with pytest.raises(
+        ValueError, match=r"sum\(h \* w\) = 78 but value.shape\[1\] \(num_keys\) = 69"
+    ):
         multi_scale_deformable_attn(value, bigger, starts, loc, attn)
     with pytest.raises(ValueError, match="exclusive cumulative sum"):
         multi_scale_deformable_attn(value, shapes, starts + 1, loc, attn)
@@ -309,8 +349,9 @@ def test_opcheck_reference_path():
     leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in args]
     torch.library.opcheck(torch.ops.mu_space.multi_scale_deformable_attn.default, (*leaves, "auto"))
     grad = torch.randn(2, 24, 16)
-    torch.library.opcheck(torch.ops.mu_space.multi_scale_deformable_attn_backward.default,
-                          (grad, *args, "auto"))
+    torch.library.opcheck(
+        torch.ops.mu_space.multi_scale_deformable_attn_backward.default, (grad, *args, "auto")
+    )
 
 
 def test_torch_compile_sees_the_custom_op_without_graph_breaks():
@@ -318,7 +359,9 @@ def test_torch_compile_sees_the_custom_op_without_graph_breaks():
 
     args = msda_inputs.args(msda_inputs.make("tiny", seed=13))
     counter = CompileCounterWithBackend("eager")
-    fn = torch.compile(lambda *a: multi_scale_deformable_attn(*a) * 2, backend=counter, fullgraph=True)
+    fn = torch.compile(
+        lambda *a: multi_scale_deformable_attn(*a) * 2, backend=counter, fullgraph=True
+    )
     assert torch.equal(fn(*args), multi_scale_deformable_attn(*args) * 2)
     targets = [str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
     assert any("mu_space.multi_scale_deformable_attn" in t for t in targets)
@@ -337,7 +380,9 @@ def test_registered_in_registry():
 def test_cpu_dispatch_records_the_reference_with_the_reason():
     multi_scale_deformable_attn(*msda_inputs.args(msda_inputs.make("tiny")))
     rows = kernel_dispatch.records()
-    assert any(r["op"] == "multi_scale_deformable_attn" and r["backend"] == "reference" for r in rows)
+    assert any(
+        r["op"] == "multi_scale_deformable_attn" and r["backend"] == "reference" for r in rows
+    )
 
 
 # ---------------------------------------------------------------------------- input generator
@@ -345,10 +390,18 @@ def test_cpu_dispatch_records_the_reference_with_the_reason():
 
 def test_generator_configs_have_the_issue_shapes():
     c = msda_inputs.CONFIGS
-    assert (c["bevformer-base-tsa"].batch, c["bevformer-base-tsa"].queries, c["bevformer-base-tsa"].levels,
-            c["bevformer-base-tsa"].points) == (2, 40000, ((200, 200),), 4)
+    assert (
+        c["bevformer-base-tsa"].batch,
+        c["bevformer-base-tsa"].queries,
+        c["bevformer-base-tsa"].levels,
+        c["bevformer-base-tsa"].points,
+    ) == (2, 40000, ((200, 200),), 4)
     assert c["bevformer-base-sca"].levels == ((116, 200), (58, 100), (29, 50), (15, 25))
-    assert (c["bevformer-base-sca"].batch, c["bevformer-base-sca"].queries, c["bevformer-base-sca"].points) == (6, 10000, 8)
+    assert (
+        c["bevformer-base-sca"].batch,
+        c["bevformer-base-sca"].queries,
+        c["bevformer-base-sca"].points,
+    ) == (6, 10000, 8)
     assert c["deformable-detr"].levels == ((100, 152), (50, 76), (25, 38), (13, 19))
     assert (c["deformable-detr"].batch, c["deformable-detr"].queries) == (1, 15200)
     for name in msda_inputs.BENCHMARK_CONFIGS:
@@ -370,13 +423,18 @@ def test_generator_inputs_are_realistic():
     assert starts.tolist() == [0, 23200, 29000, 30450]
     again = msda_inputs.make(cfg, seed=3)
     assert torch.equal(again["sampling_locations"], loc)
-    assert msda_inputs.scaled("deformable-detr", queries=1000).query_grid[0] * \
-        msda_inputs.scaled("deformable-detr", queries=1000).query_grid[1] >= 1000
+    assert (
+        msda_inputs.scaled("deformable-detr", queries=1000).query_grid[0]
+        * msda_inputs.scaled("deformable-detr", queries=1000).query_grid[1]
+        >= 1000
+    )
 
 
 def test_nudge_moves_samples_off_pixel_edges():
     shapes = torch.tensor([[8, 16]])
-    loc = torch.tensor([0.5 / 16, 1.5 / 8], dtype=torch.float64).view(1, 1, 1, 1, 1, 2)  # pixel (0, 1)
+    loc = torch.tensor([0.5 / 16, 1.5 / 8], dtype=torch.float64).view(
+        1, 1, 1, 1, 1, 2
+    )  # pixel (0, 1)
     nudged = msda_inputs.nudge_off_pixel_edges(loc, shapes)
     pix = nudged * torch.tensor([16.0, 8.0], dtype=torch.float64) - 0.5
     frac = (pix - pix.floor()).flatten()
@@ -391,8 +449,10 @@ def _stream(device):
 
 
 def _to(args, device, dtype=None):
-    return tuple(t.to(device=device, dtype=dtype if (dtype and t.is_floating_point()) else t.dtype)
-                 for t in args)
+    return tuple(
+        t.to(device=device, dtype=dtype if (dtype and t.is_floating_point()) else t.dtype)
+        for t in args
+    )
 
 
 def _reference64(args):
@@ -403,8 +463,9 @@ def _reference64(args):
 
 def _reference_grads64(grad, args):
     v, s, st, l, a = args
-    return multi_scale_deformable_attn_reference_backward(grad.double(), v.double(), s, st,
-                                                          l.double(), a.double())
+    return multi_scale_deformable_attn_reference_backward(
+        grad.double(), v.double(), s, st, l.double(), a.double()
+    )
 
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -433,14 +494,17 @@ def test_native_forward_matches_reference_on_model_shapes(dtype, name):
     device = native_gpu_device()
     cfg = msda_inputs.scaled(name, queries=3000)
     args = _to(msda_inputs.args(msda_inputs.make(cfg, seed=1)), device, dtype)
-    assert_scaled_close(multi_scale_deformable_attn(*args, backend="cuda"), _reference64(args), dtype, name)
+    assert_scaled_close(
+        multi_scale_deformable_attn(*args, backend="cuda"), _reference64(args), dtype, name
+    )
 
 
 def _native_grads(args, grad, det: bool):
     leaves = [t.detach().clone().requires_grad_() for t in (args[0], args[3], args[4])]
     with deterministic(det):
-        out = multi_scale_deformable_attn(leaves[0], args[1], args[2], leaves[1], leaves[2],
-                                          backend="cuda")
+        out = multi_scale_deformable_attn(
+            leaves[0], args[1], args[2], leaves[1], leaves[2], backend="cuda"
+        )
         out.backward(grad)
     return tuple(t.grad for t in leaves)
 
@@ -448,8 +512,14 @@ def _native_grads(args, grad, det: bool):
 def _grad_case(dtype, head_dim, n_levels, points, seed, batch=2, queries=23, heads=2):
     device = native_gpu_device()
     g = torch.Generator().manual_seed(seed)
-    cfg = config(random_levels(n_levels, g), batch=batch, queries=queries, heads=heads,
-                 head_dim=head_dim, points=points)
+    cfg = config(
+        random_levels(n_levels, g),
+        batch=batch,
+        queries=queries,
+        heads=heads,
+        head_dim=head_dim,
+        points=points,
+    )
     value, shapes, starts, loc, attn = msda_inputs.args(msda_inputs.make(cfg, seed=seed))
     loc = msda_inputs.nudge_off_pixel_edges(loc, shapes)
     args = _to((value, shapes, starts, loc, attn), device, dtype)
@@ -466,7 +536,9 @@ def test_native_backward_matches_reference(det, dtype, head_dim, n_levels, point
     args, grad = _grad_case(dtype, head_dim, n_levels, points, seed=head_dim + 7 * points)
     got = _native_grads(args, grad, det)
     want = _reference_grads64(grad, args)
-    for gt, wt, name in zip(got, want, ("grad_value", "grad_sampling_locations", "grad_attention_weights")):
+    for gt, wt, name in zip(
+        got, want, ("grad_value", "grad_sampling_locations", "grad_attention_weights")
+    ):
         assert gt.dtype == dtype
         assert_scaled_close(gt, wt, dtype, name)
 
@@ -511,25 +583,55 @@ def test_native_entry_points_write_every_output_element(dtype):
     args, grad = _grad_case(dtype, 32, 4, 8, seed=31, queries=50, heads=3)
     value, shapes, starts, loc, attn = args
     out = poisoned((2, 50, 96), dtype, device)
-    native.function("multi_scale_deformable_attn_forward")(value, shapes, starts, loc, attn, out, 0, 0,
-                                                          _stream(device))
+    native.function("multi_scale_deformable_attn_forward")(
+        value, shapes, starts, loc, attn, out, 0, 0, _stream(device)
+    )
     assert_scaled_close(out, _reference64(args), dtype, "out")
     want = _reference_grads64(grad, args)
     for det in (0, 1):
         gv, gl, ga = (poisoned(t.shape, dtype, device) for t in (value, loc, attn))
-        workspace = poisoned(value.shape, torch.float32, device) if dtype != torch.float32 else \
-            torch.empty(0, device=device)
+        workspace = (
+            poisoned(value.shape, torch.float32, device)
+            if dtype != torch.float32
+            else torch.empty(0, device=device)
+        )
         keys = poisoned((loc.numel() // 2,), torch.int32, device)
         native.function("multi_scale_deformable_attn_backward")(
-            grad, value, shapes, starts, loc, attn, gv, gl, ga, workspace, keys, det, 0, 0,
-            _stream(device))
+            grad,
+            value,
+            shapes,
+            starts,
+            loc,
+            attn,
+            gv,
+            gl,
+            ga,
+            workspace,
+            keys,
+            det,
+            0,
+            0,
+            _stream(device),
+        )
         if det:
             sorted_keys, perm = torch.sort(keys, stable=True)
             space = 2 * 3 * (3 * value.shape[1] + 2 * 4)
             cell_start = poisoned((space + 1,), torch.int64, device)
             native.function("multi_scale_deformable_attn_backward_value_deterministic")(
-                grad, value, shapes, starts, loc, attn, sorted_keys, perm, cell_start, gv, 0, 0,
-                _stream(device))
+                grad,
+                value,
+                shapes,
+                starts,
+                loc,
+                attn,
+                sorted_keys,
+                perm,
+                cell_start,
+                gv,
+                0,
+                0,
+                _stream(device),
+            )
         for got, w, name in zip((gv, gl, ga), want, ("grad_value", "grad_loc", "grad_attn")):
             assert_scaled_close(got, w, dtype, f"det={det} {name}")
 
@@ -544,14 +646,29 @@ def test_launch_policy_knobs_give_the_same_result(dtype, cpt, block):
     args, grad = _grad_case(dtype, 32 if cpt != 2 else 6, 2, 4, seed=41, queries=70, heads=3)
     value, shapes, starts, loc, attn = args
     out = poisoned((2, 70, 3 * value.shape[3]), dtype, device)
-    native.function("multi_scale_deformable_attn_forward")(value, shapes, starts, loc, attn, out,
-                                                          cpt, block, _stream(device))
+    native.function("multi_scale_deformable_attn_forward")(
+        value, shapes, starts, loc, attn, out, cpt, block, _stream(device)
+    )
     assert_scaled_close(out, _reference64(args), dtype, "out")
     gv, gl, ga = (poisoned(t.shape, dtype, device) for t in (value, loc, attn))
     workspace = torch.empty(value.shape, dtype=torch.float32, device=device)
     native.function("multi_scale_deformable_attn_backward")(
-        grad, value, shapes, starts, loc, attn, gv, gl, ga, workspace,
-        torch.empty(0, dtype=torch.int32, device=device), 0, cpt, block, _stream(device))
+        grad,
+        value,
+        shapes,
+        starts,
+        loc,
+        attn,
+        gv,
+        gl,
+        ga,
+        workspace,
+        torch.empty(0, dtype=torch.int32, device=device),
+        0,
+        cpt,
+        block,
+        _stream(device),
+    )
     for got, w, name in zip((gv, gl, ga), _reference_grads64(grad, args), ("gv", "gl", "ga")):
         assert_scaled_close(got, w, dtype, name)
 
@@ -559,8 +676,9 @@ def test_launch_policy_knobs_give_the_same_result(dtype, cpt, block):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim,cpt", [(32, 0), (32, 4), (32, 2), (8, 0), (67, 0), (3, 0)])
-@pytest.mark.parametrize("n_levels,points,stacked", [(1, 4, False), (4, 8, False), (2, 16, False),
-                                                      (2, 8, True)])
+@pytest.mark.parametrize(
+    "n_levels,points,stacked", [(1, 4, False), (4, 8, False), (2, 16, False), (2, 8, True)]
+)
 def test_merged_corner_atomics_match_reference(dtype, head_dim, cpt, n_levels, points, stacked):
     """Backward mode 2: a corner that a sample shares with the previous sample of its group gets
     one atomic carrying both weights. Realistic locations (points ~1 px apart: some corners
@@ -574,17 +692,48 @@ def test_merged_corner_atomics_match_reference(dtype, head_dim, cpt, n_levels, p
         loc = loc[:, :, :, :, :1].expand_as(loc).contiguous()
         args = (value, shapes, starts, loc, attn)
     gv, gl, ga = (poisoned(t.shape, dtype, device) for t in (value, loc, attn))
-    workspace = poisoned(value.shape, torch.float32, device) if dtype != torch.float32 else \
-        torch.empty(0, device=device)
+    workspace = (
+        poisoned(value.shape, torch.float32, device)
+        if dtype != torch.float32
+        else torch.empty(0, device=device)
+    )
     native.function("multi_scale_deformable_attn_backward")(
-        grad, value, shapes, starts, loc, attn, gv, gl, ga, workspace,
-        torch.empty(0, dtype=torch.int32, device=device), 2, cpt, 0, _stream(device))
+        grad,
+        value,
+        shapes,
+        starts,
+        loc,
+        attn,
+        gv,
+        gl,
+        ga,
+        workspace,
+        torch.empty(0, dtype=torch.int32, device=device),
+        2,
+        cpt,
+        0,
+        _stream(device),
+    )
     for got, w, name in zip((gv, gl, ga), _reference_grads64(grad, args), ("gv", "gl", "ga")):
         assert_scaled_close(got, w, dtype, f"merged {name}")
     with pytest.raises(ValueError, match="mode must be 0"):
         native.function("multi_scale_deformable_attn_backward")(
-            grad, value, shapes, starts, loc, attn, gv, gl, ga, workspace,
-            torch.empty(0, dtype=torch.int32, device=device), 3, cpt, 0, _stream(device))
+            grad,
+            value,
+            shapes,
+            starts,
+            loc,
+            attn,
+            gv,
+            gl,
+            ga,
+            workspace,
+            torch.empty(0, dtype=torch.int32, device=device),
+            3,
+            cpt,
+            0,
+            _stream(device),
+        )
 
 
 @pytest.mark.gpu
@@ -592,7 +741,9 @@ def test_merged_corner_atomics_match_reference(dtype, head_dim, cpt, n_levels, p
 def test_native_at_and_beyond_borders(dtype):
     device = native_gpu_device()
     args = _to(border_inputs(seed=3), device, dtype)
-    assert_scaled_close(multi_scale_deformable_attn(*args, backend="cuda"), _reference64(args), dtype, "out")
+    assert_scaled_close(
+        multi_scale_deformable_attn(*args, backend="cuda"), _reference64(args), dtype, "out"
+    )
     # grad_value and grad_attention_weights are continuous in the locations: compare them even
     # on exact borders (grad_sampling_locations is compared on nudged inputs elsewhere)
     grad = torch.randn(2, 6, 6, device=device).to(dtype)
@@ -606,7 +757,7 @@ def test_native_at_and_beyond_borders(dtype):
 @pytest.mark.gpu
 def test_nan_locations_contribute_nothing():
     """Upstream's comparisons are false for NaN: such a sample is skipped (weight 0)."""
-    device = native_gpu_device()
+    native_gpu_device()
     args, grad = _grad_case(torch.float32, 8, 2, 4, seed=51)
     value, shapes, starts, loc, attn = args
     nan_loc = loc.clone()
@@ -632,8 +783,12 @@ def test_native_non_contiguous_and_misaligned_inputs(dtype):
     want = _reference64(args)
     value_nc = value.transpose(1, 2).contiguous().transpose(1, 2)
     attn_nc = attn.transpose(0, 1).contiguous().transpose(0, 1)
-    assert_scaled_close(multi_scale_deformable_attn(value_nc, shapes, starts, loc, attn_nc, backend="cuda"),
-                        want, dtype, "non-contiguous")
+    assert_scaled_close(
+        multi_scale_deformable_attn(value_nc, shapes, starts, loc, attn_nc, backend="cuda"),
+        want,
+        dtype,
+        "non-contiguous",
+    )
 
     def misaligned(t):
         buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=device)
@@ -643,8 +798,12 @@ def test_native_non_contiguous_and_misaligned_inputs(dtype):
 
     value_m, loc_m, attn_m = misaligned(value), misaligned(loc), misaligned(attn)
     assert value_m.data_ptr() % 16 != 0 and value_m.is_contiguous()
-    assert_scaled_close(multi_scale_deformable_attn(value_m, shapes, starts, loc_m, attn_m, backend="cuda"),
-                        want, dtype, "misaligned")
+    assert_scaled_close(
+        multi_scale_deformable_attn(value_m, shapes, starts, loc_m, attn_m, backend="cuda"),
+        want,
+        dtype,
+        "misaligned",
+    )
     for det in (False, True):
         got = _native_grads((value_m, shapes, starts, loc_m, attn_m), grad, det)
         for gt, wt, n in zip(got, _reference_grads64(grad, args), ("gv", "gl", "ga")):
@@ -654,26 +813,43 @@ def test_native_non_contiguous_and_misaligned_inputs(dtype):
 @pytest.mark.gpu
 def test_native_empty_queries():
     device = native_gpu_device()
-    inputs = msda_inputs.make(msda_inputs.CONFIGS["tiny"].with_(queries=0), device=device,
-                              requires_grad=True)
+    inputs = msda_inputs.make(
+        msda_inputs.CONFIGS["tiny"].with_(queries=0), device=device, requires_grad=True
+    )
     out = multi_scale_deformable_attn(*msda_inputs.args(inputs), backend="cuda")
     assert out.shape == (2, 0, 16)
     out.sum().backward()
     assert not inputs["value"].grad.any()
     with deterministic(True):
         v = inputs["value"].detach().clone().requires_grad_()
-        multi_scale_deformable_attn(v, *msda_inputs.args(inputs)[1:], backend="cuda").sum().backward()
+        multi_scale_deformable_attn(
+            v, *msda_inputs.args(inputs)[1:], backend="cuda"
+        ).sum().backward()
     assert not v.grad.any()
     # the native entries themselves: no queries still zero-fills grad_value (both dtypes paths)
     for dtype in (torch.float32, torch.float16):
-        value, shapes, starts, loc, attn = _to(tuple(t.detach() for t in msda_inputs.args(inputs)),
-                                               device, dtype)
+        value, shapes, starts, loc, attn = _to(
+            tuple(t.detach() for t in msda_inputs.args(inputs)), device, dtype
+        )
         gv = poisoned(value.shape, dtype, device)
         workspace = poisoned(value.shape, torch.float32, device)
         native.function("multi_scale_deformable_attn_backward")(
-            torch.empty(2, 0, 16, device=device, dtype=dtype), value, shapes, starts, loc, attn, gv,
-            torch.empty_like(loc), torch.empty_like(attn), workspace,
-            torch.empty(0, dtype=torch.int32, device=device), 0, 0, 0, _stream(device))
+            torch.empty(2, 0, 16, device=device, dtype=dtype),
+            value,
+            shapes,
+            starts,
+            loc,
+            attn,
+            gv,
+            torch.empty_like(loc),
+            torch.empty_like(attn),
+            workspace,
+            torch.empty(0, dtype=torch.int32, device=device),
+            0,
+            0,
+            0,
+            _stream(device),
+        )
         assert torch.equal(gv, torch.zeros_like(gv))
 
 
@@ -685,8 +861,10 @@ def test_auto_dispatch_records_native_and_float64_fallback():
     multi_scale_deformable_attn(*_to(args, device, torch.float64))
     rows = {(r["op"], r["backend"], r["reason"]) for r in kernel_dispatch.records()}
     assert ("multi_scale_deformable_attn", "cuda", "native") in rows
-    assert any(op == "multi_scale_deformable_attn" and b == "reference" and "float64" in r
-               for op, b, r in rows)
+    assert any(
+        op == "multi_scale_deformable_attn" and b == "reference" and "float64" in r
+        for op, b, r in rows
+    )
 
 
 @pytest.mark.gpu
@@ -736,31 +914,83 @@ def test_bad_level_metadata_never_crashes(index_dtype):
     for label, bad_shapes, bad_starts in _bad_metadata_cases(shapes, starts, num_keys):
         bad_shapes, bad_starts = bad_shapes.to(index_dtype), bad_starts.to(index_dtype)
         out = poisoned((2, 40, 16), torch.float32, device)
-        native.function("multi_scale_deformable_attn_forward")(value, bad_shapes, bad_starts, loc, attn,
-                                                              out, 0, 0, s)
+        native.function("multi_scale_deformable_attn_forward")(
+            value, bad_shapes, bad_starts, loc, attn, out, 0, 0, s
+        )
         gv, gl, ga = (poisoned(t.shape, torch.float32, device) for t in (value, loc, attn))
         native.function("multi_scale_deformable_attn_backward")(
-            grad, value, bad_shapes, bad_starts, loc, attn, gv, gl, ga, torch.empty(0, device=device),
-            torch.empty(0, dtype=torch.int32, device=device), 0, 0, 0, s)
+            grad,
+            value,
+            bad_shapes,
+            bad_starts,
+            loc,
+            attn,
+            gv,
+            gl,
+            ga,
+            torch.empty(0, device=device),
+            torch.empty(0, dtype=torch.int32, device=device),
+            0,
+            0,
+            0,
+            s,
+        )
         keys = torch.empty(loc.numel() // 2, dtype=torch.int32, device=device)
         gv2 = poisoned(value.shape, torch.float32, device)
         native.function("multi_scale_deformable_attn_backward")(
-            grad, value, bad_shapes, bad_starts, loc, attn, gv2, gl, ga, torch.empty(0, device=device),
-            keys, 1, 0, 0, s)
+            grad,
+            value,
+            bad_shapes,
+            bad_starts,
+            loc,
+            attn,
+            gv2,
+            gl,
+            ga,
+            torch.empty(0, device=device),
+            keys,
+            1,
+            0,
+            0,
+            s,
+        )
         sorted_keys, perm = torch.sort(keys, stable=True)
         cell_start = torch.empty(2 * 2 * (3 * num_keys + 4) + 1, dtype=torch.int64, device=device)
         native.function("multi_scale_deformable_attn_backward_value_deterministic")(
-            grad, value, bad_shapes, bad_starts, loc, attn, sorted_keys, perm, cell_start, gv2, 0, 0, s)
+            grad,
+            value,
+            bad_shapes,
+            bad_starts,
+            loc,
+            attn,
+            sorted_keys,
+            perm,
+            cell_start,
+            gv2,
+            0,
+            0,
+            s,
+        )
         torch.cuda.synchronize(device)  # raises if any kernel faulted
-        for t, name in ((out, "out"), (gv, "grad_value"), (gl, "grad_loc"), (ga, "grad_attn"), (gv2, "det grad_value")):
+        for t, name in (
+            (out, "out"),
+            (gv, "grad_value"),
+            (gl, "grad_loc"),
+            (ga, "grad_attn"),
+            (gv2, "det grad_value"),
+        ):
             assert torch.isfinite(t).all(), f"{label}: {name} has non-finite elements"
         # the result equals the reference with the skipped levels' weights zeroed
         h, w, st = bad_shapes[:, 0].long(), bad_shapes[:, 1].long(), bad_starts.long()
         fits = (h >= 1) & (w >= 1) & (st >= 0) & (h * w <= num_keys - st)
         masked = attn * fits.view(1, 1, 1, -1, 1).to(attn.dtype)
-        want = _reference64((value, shapes, starts, loc, masked)) if bool(fits.any()) and \
-            torch.equal(bad_shapes[fits].long(), shapes[fits]) and torch.equal(bad_starts[fits].long(), starts[fits]) \
+        want = (
+            _reference64((value, shapes, starts, loc, masked))
+            if bool(fits.any())
+            and torch.equal(bad_shapes[fits].long(), shapes[fits])
+            and torch.equal(bad_starts[fits].long(), starts[fits])
             else None
+        )
         if want is not None:
             assert_scaled_close(out, want, torch.float32, label)
     with pytest.raises(ValueError):
@@ -792,8 +1022,9 @@ def test_native_runs_on_the_callers_non_default_stream():
         for det in (False, True):
             leaves = [t.clone().requires_grad_() for t in (v, l, a)]
             with deterministic(det):
-                multi_scale_deformable_attn(leaves[0], shapes, starts, leaves[1], leaves[2],
-                                            backend="cuda").backward(g)
+                multi_scale_deformable_attn(
+                    leaves[0], shapes, starts, leaves[1], leaves[2], backend="cuda"
+                ).backward(g)
             results.append([t.grad for t in leaves])
     stream.synchronize()
     assert_scaled_close(out, want_out, torch.float32, "out")
@@ -810,8 +1041,9 @@ def test_native_opcheck():
     leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in args]
     torch.library.opcheck(torch.ops.mu_space.multi_scale_deformable_attn.default, (*leaves, "cuda"))
     grad = torch.randn(2, 24, 16, device=device)
-    torch.library.opcheck(torch.ops.mu_space.multi_scale_deformable_attn_backward.default,
-                          (grad, *args, "cuda"))
+    torch.library.opcheck(
+        torch.ops.mu_space.multi_scale_deformable_attn_backward.default, (grad, *args, "cuda")
+    )
 
 
 @pytest.mark.gpu
@@ -822,8 +1054,17 @@ def test_int64_indexing_beyond_2_to_the_31_output_elements():
     if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:
         pytest.skip("needs 24 GiB of GPU memory")
     queries = (1 << 31) // (8 * 128) + 4096
-    cfg = MSDAConfig("huge", 1, queries, 8, 128, ((16, 24),), 1, (1024, queries // 1024 + 1),
-                     outside_fraction=0.0)
+    cfg = MSDAConfig(
+        "huge",
+        1,
+        queries,
+        8,
+        128,
+        ((16, 24),),
+        1,
+        (1024, queries // 1024 + 1),
+        outside_fraction=0.0,
+    )
     g = torch.Generator(device=device).manual_seed(0)
     value = torch.randn(1, 16 * 24, 8, 128, device=device, generator=g, dtype=torch.float16)
     shapes, starts = msda_inputs.level_metadata(cfg.levels, device)
@@ -831,7 +1072,9 @@ def test_int64_indexing_beyond_2_to_the_31_output_elements():
     attn = torch.ones(1, queries, 8, 1, 1, device=device, dtype=torch.float16)
     out = multi_scale_deformable_attn(value, shapes, starts, loc, attn, backend="cuda")
     tail = slice(queries - 2048, queries)
-    want = _reference64((value, shapes, starts, loc[:, tail].contiguous(), attn[:, tail].contiguous()))
+    want = _reference64(
+        (value, shapes, starts, loc[:, tail].contiguous(), attn[:, tail].contiguous())
+    )
     assert_scaled_close(out[:, tail], want, torch.float16, "tail rows")
     del out
 

@@ -67,10 +67,13 @@ class LSSViewTransformer(nn.Module):
         self.depth_head = nn.Conv2d(in_channels, cfg.n_depth, kernel_size=1)
         self.context_head = nn.Conv2d(in_channels, cfg.channels, kernel_size=1)
         # BEVDet keeps the grid as buffers (grid_lower_bound, grid_interval, grid_size).
-        self.register_buffer("grid_lower_bound", torch.tensor(cfg.grid_lower_bound), persistent=False)
+        self.register_buffer(
+            "grid_lower_bound", torch.tensor(cfg.grid_lower_bound), persistent=False
+        )
         self.register_buffer("grid_interval", torch.tensor(cfg.grid_interval), persistent=False)
-        self.register_buffer("grid_size", torch.tensor(cfg.grid_size, dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer(
+            "grid_size", torch.tensor(cfg.grid_size, dtype=torch.float32), persistent=False
+        )
 
     def forward(self, img_feat: torch.Tensor, coor: torch.Tensor) -> dict[str, torch.Tensor]:
         b, n = coor.shape[:2]
@@ -79,10 +82,16 @@ class LSSViewTransformer(nn.Module):
         depth = depth.view(b, n, -1, h, w)
         feat = self.context_head(img_feat)  # [B*N, C, H, W]
         feat = feat.view(b, n, -1, h, w).permute(0, 1, 3, 4, 2).contiguous()  # channels last
-        ranks = mu_space.bev_pool_prepare(coor, self.cfg.grid_lower_bound, self.cfg.grid_interval,
-                                          self.cfg.grid_size, backend=self.backend)
-        bev = mu_space.bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(self.cfg.bev_feat_shape),
-                                   backend=self.backend)  # [B, C, Z, Y, X]
+        ranks = mu_space.bev_pool_prepare(
+            coor,
+            self.cfg.grid_lower_bound,
+            self.cfg.grid_interval,
+            self.cfg.grid_size,
+            backend=self.backend,
+        )
+        bev = mu_space.bev_pool_v2(
+            depth, feat, *ranks.bev_pool_v2_args(self.cfg.bev_feat_shape), backend=self.backend
+        )  # [B, C, Z, Y, X]
         bev = torch.cat(bev.unbind(dim=2), dim=1)  # BEVDet folds Z into channels
         return {"bev": bev}
 
@@ -101,12 +110,21 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config(args.small, batch)
     in_ch = SMALL_IN_CHANNELS if args.small else IN_CHANNELS
     inputs = make_inputs(cfg, in_ch, args.device, args.seed)
-    title = (f"BEVDet LSS view transformer ({cfg.name}: B {cfg.batch}, N {cfg.cameras}, "
-             f"D {cfg.n_depth}, C {cfg.channels}, features {cfg.feature_hw}, "
-             f"grid {cfg.grid_size})")
+    title = (
+        f"BEVDet LSS view transformer ({cfg.name}: B {cfg.batch}, N {cfg.cameras}, "
+        f"D {cfg.n_depth}, C {cfg.channels}, features {cfg.feature_hw}, "
+        f"grid {cfg.grid_size})"
+    )
     # coor is geometry, not a learnt input: keep it out of the gradient check.
-    status = _common.run_ab(args, title, lambda backend: LSSViewTransformer(cfg, in_ch, backend),
-                            inputs, OUT_TOL, GRAD_TOL, no_grad_inputs=("coor",))
+    status = _common.run_ab(
+        args,
+        title,
+        lambda backend: LSSViewTransformer(cfg, in_ch, backend),
+        inputs,
+        OUT_TOL,
+        GRAD_TOL,
+        no_grad_inputs=("coor",),
+    )
     return status
 
 

@@ -53,19 +53,34 @@ PARAM_RTOL = 1e-4
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="cuda (NCCL, one GPU per process) or cpu (gloo); default: cuda if available")
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="cuda (NCCL, one GPU per process) or cpu (gloo); default: cuda if available",
+    )
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU checks, CI)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default 30, small 15)")
-    p.add_argument("--global-batch", type=int, default=4,
-                   help="samples per step over all processes (divisible by the world size)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=4,
+        help="samples per step over all processes (divisible by the world size)",
+    )
     p.add_argument("--lr", type=float, default=None, help="SGD learning rate")
-    p.add_argument("--backend", default=None,
-                   help="muSPACE backend (default: native on cuda, reference on cpu)")
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="muSPACE backend (default: native on cuda, reference on cpu)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compare-single", metavar="PATH", default=None,
-                   help="1 process: write the loss curve + final params to PATH (if absent); "
-                        "more processes: compare with PATH")
+    p.add_argument(
+        "--compare-single",
+        metavar="PATH",
+        default=None,
+        help="1 process: write the loss curve + final params to PATH (if absent); "
+        "more processes: compare with PATH",
+    )
     return p.parse_args(argv)
 
 
@@ -97,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (15 if args.small else 30)
     lr = args.lr or (0.05 if args.small else 0.5)
     if args.global_batch % world:
-        raise SystemExit(f"--global-batch {args.global_batch} is not divisible by {world} processes")
+        raise SystemExit(
+            f"--global-batch {args.global_batch} is not divisible by {world} processes"
+        )
     per_rank = args.global_batch // world
     log = print if rank == 0 else (lambda *a, **k: None)
 
@@ -111,13 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     teacher = vt.LSSViewTransformer(cfg, in_ch, backend).to(device).requires_grad_(False)
     torch.manual_seed(args.seed)
     model = vt.LSSViewTransformer(cfg, in_ch, backend).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[local] if device.type == "cuda" else None) if distributed else model
+    ddp = (
+        torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[local] if device.type == "cuda" else None
+        )
+        if distributed
+        else model
+    )
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
-    log(f"BEVDet view transformer DDP: {world} process(es), {'NCCL' if device.type == 'cuda' else 'gloo'}"
+    log(
+        f"BEVDet view transformer DDP: {world} process(es), {'NCCL' if device.type == 'cuda' else 'gloo'}"
         f" on {device.type}, backend {backend}, config {cfg.name}, global batch {args.global_batch}"
         f" ({per_rank} per process), {steps} steps, SGD lr {lr} momentum 0.9, "
-        f"{sum(p.numel() for p in model.parameters())} parameters")
+        f"{sum(p.numel() for p in model.parameters())} parameters"
+    )
 
     n_cam, (h, w) = cfg.cameras, cfg.feature_hw
     losses = []
@@ -126,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(steps):
         g = torch.Generator().manual_seed(args.seed * 100003 + step)
         batch = torch.randn(args.global_batch * n_cam, in_ch, h, w, generator=g)
-        mine = batch[rank * per_rank * n_cam:(rank + 1) * per_rank * n_cam].to(device)
+        mine = batch[rank * per_rank * n_cam : (rank + 1) * per_rank * n_cam].to(device)
         with torch.no_grad():
             target = teacher(mine, coor)["bev"]
             if scale is None:
@@ -153,8 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     falls = last < LOSS_DROP * first
-    log(f"check 1, loss falls: first-3 mean {first:.6g} -> last-3 mean {last:.6g} "
-        f"(need < {LOSS_DROP} x) {'ok' if falls else 'FAIL'}")
+    log(
+        f"check 1, loss falls: first-3 mean {first:.6g} -> last-3 mean {last:.6g} "
+        f"(need < {LOSS_DROP} x) {'ok' if falls else 'FAIL'}"
+    )
     ok &= falls
 
     params = flat_params(model)
@@ -163,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_gather(gathered, params)
         diffs = [(x - gathered[0]).abs().max().item() for x in gathered]
         same = all(d == 0.0 for d in diffs)
-        log(f"check 2, ranks' parameters identical: max |rank r - rank 0| = {diffs} "
-            f"{'ok' if same else 'FAIL'}")
+        log(
+            f"check 2, ranks' parameters identical: max |rank r - rank 0| = {diffs} "
+            f"{'ok' if same else 'FAIL'}"
+        )
         ok &= same
     else:
         log("check 2, ranks' parameters identical: skipped (1 process)")
@@ -173,22 +201,40 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.compare_single)
         cpu_params = params.double().cpu()
         if world == 1 and not path.exists():
-            path.write_text(json.dumps({"world_size": 1, "global_batch": args.global_batch,
-                                        "steps": steps, "lr": lr, "backend": backend,
-                                        "small": args.small, "losses": losses,
-                                        "params": cpu_params.tolist()}))
+            path.write_text(
+                json.dumps(
+                    {
+                        "world_size": 1,
+                        "global_batch": args.global_batch,
+                        "steps": steps,
+                        "lr": lr,
+                        "backend": backend,
+                        "small": args.small,
+                        "losses": losses,
+                        "params": cpu_params.tolist(),
+                    }
+                )
+            )
             log(f"check 3: wrote the 1-process reference to {path}")
         elif not path.exists():
             log(f"check 3 FAIL: {path} does not exist; run with --nproc_per_node 1 first")
             ok = False
         else:
             ref = json.loads(path.read_text())
-            same_setup = all(ref[k] == v for k, v in (("global_batch", args.global_batch),
-                                                       ("steps", steps), ("lr", lr),
-                                                       ("small", args.small)))
+            same_setup = all(
+                ref[k] == v
+                for k, v in (
+                    ("global_batch", args.global_batch),
+                    ("steps", steps),
+                    ("lr", lr),
+                    ("small", args.small),
+                )
+            )
             if not same_setup:
-                log(f"check 3 FAIL: {path} is from another setup "
-                    f"({ {k: ref[k] for k in ('global_batch', 'steps', 'lr', 'small')} })")
+                log(
+                    f"check 3 FAIL: {path} is from another setup "
+                    f"({ {k: ref[k] for k in ('global_batch', 'steps', 'lr', 'small')} })"
+                )
                 ok = False
             else:
                 rl = torch.tensor(ref["losses"], dtype=torch.float64)
@@ -198,10 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                 p_err = (cpu_params - rp).abs().max().item()
                 p_scale = rp.abs().max().item()
                 c_ok = curve_err <= CURVE_RTOL and p_err <= PARAM_RTOL * p_scale
-                log(f"check 3, {world} processes vs 1 process (same global batch "
+                log(
+                    f"check 3, {world} processes vs 1 process (same global batch "
                     f"{args.global_batch}): loss curve max rel diff {curve_err:.3g} (tol "
                     f"{CURVE_RTOL:g}), params max |diff| {p_err:.3g} vs max |param| {p_scale:.3g}"
-                    f" (tol {PARAM_RTOL:g} x) {'ok' if c_ok else 'FAIL'}")
+                    f" (tol {PARAM_RTOL:g} x) {'ok' if c_ok else 'FAIL'}"
+                )
                 ok &= c_ok
 
     if distributed:  # every rank exits with rank 0's verdict

@@ -92,8 +92,9 @@ class Config:
 
 
 BASE = Config("bevformer-base")
-SMALL = Config("small", embed=32, heads=4, ffn=64, bev_hw=(12, 12),
-               levels=((8, 12), (4, 6), (2, 3), (1, 2)))
+SMALL = Config(
+    "small", embed=32, heads=4, ffn=64, bev_hw=(12, 12), levels=((8, 12), (4, 6), (2, 3), (1, 2))
+)
 
 
 def _levels(cfg: Config, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +116,14 @@ def camera_hits(cfg: Config):
     xs = x0 + (torch.arange(bw, dtype=torch.float64) + 0.5) * (x1 - x0) / bw
     zs = z0 + (torch.arange(cfg.z_anchors, dtype=torch.float64) + 0.5) * (z1 - z0) / cfg.z_anchors
     yy, xx = torch.meshgrid(ys, xs, indexing="ij")
-    pts = torch.stack([xx[..., None].expand(-1, -1, len(zs)), yy[..., None].expand(-1, -1, len(zs)),
-                       zs.expand(bh, bw, -1)], -1).view(bh * bw, len(zs), 3)
+    pts = torch.stack(
+        [
+            xx[..., None].expand(-1, -1, len(zs)),
+            yy[..., None].expand(-1, -1, len(zs)),
+            zs.expand(bh, bw, -1),
+        ],
+        -1,
+    ).view(bh * bw, len(zs), 3)
     h_img, w_img = cfg.image_hw
     idx, refs = [], []
     for yaw, cx, cy, focal in bev_geometry._CAMERAS[: cfg.cameras]:
@@ -175,13 +182,17 @@ class TemporalSelfAttention(nn.Module):
         self.output_proj = nn.Linear(d, d)
         _init_offsets(self.sampling_offsets, h, q, p)
         bh, bw = cfg.bev_hw
-        ys, xs = torch.meshgrid((torch.arange(bh) + 0.5) / bh, (torch.arange(bw) + 0.5) / bw,
-                                indexing="ij")
+        ys, xs = torch.meshgrid(
+            (torch.arange(bh) + 0.5) / bh, (torch.arange(bw) + 0.5) / bw, indexing="ij"
+        )
         self.register_buffer("ref_2d", torch.stack([xs, ys], -1).view(-1, 2), persistent=False)
-        self.register_buffer("shapes", torch.tensor([[bh, bw]], dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "shapes", torch.tensor([[bh, bw]], dtype=torch.int64), persistent=False
+        )
         self.register_buffer("starts", torch.zeros(1, dtype=torch.int64), persistent=False)
-        self.register_buffer("normalizer", torch.tensor([bw, bh], dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer(
+            "normalizer", torch.tensor([bw, bh], dtype=torch.float32), persistent=False
+        )
 
     def forward(self, query: torch.Tensor, prev_bev: torch.Tensor) -> torch.Tensor:
         bs, nq, d = query.shape
@@ -194,8 +205,9 @@ class TemporalSelfAttention(nn.Module):
         aw = self.attention_weights(qcat).view(bs, nq, h, q, p).softmax(-1)
         aw = aw.permute(0, 3, 1, 2, 4).reshape(bs * q, nq, h, 1, p)
         loc = self.ref_2d[None, :, None, None, None, :] + off / self.normalizer
-        out = mu_space.multi_scale_deformable_attn(value, self.shapes, self.starts, loc, aw,
-                                                   backend=self.backend)  # [bs*2, Q, d]
+        out = mu_space.multi_scale_deformable_attn(
+            value, self.shapes, self.starts, loc, aw, backend=self.backend
+        )  # [bs*2, Q, d]
         out = out.view(bs, q, nq, d).mean(1)
         return self.output_proj(out) + query
 
@@ -227,8 +239,14 @@ class SpatialCrossAttention(nn.Module):
     def forward(self, query: torch.Tensor, img_feats: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         bs, nq, d = query.shape
-        n, ml, h, lv, p, z = cfg.cameras, self.max_len, cfg.heads, len(cfg.levels), \
-            cfg.sca_points, cfg.z_anchors
+        n, ml, h, lv, p, z = (
+            cfg.cameras,
+            self.max_len,
+            cfg.heads,
+            len(cfg.levels),
+            cfg.sca_points,
+            cfg.z_anchors,
+        )
         mask = self.slot_mask[None, :, :, None]
         q = (query[:, self.gather_idx] * mask).view(bs * n, ml, d)  # queries_rebatch
         value = self.value_proj(img_feats).view(bs * n, -1, h, d // h)
@@ -239,8 +257,9 @@ class SpatialCrossAttention(nn.Module):
         loc = (ref + off).view(bs * n, ml, h, lv, p, 2)
         aw = self.attention_weights(q).view(bs * n, ml, h, lv * p).softmax(-1)
         aw = aw.view(bs * n, ml, h, lv, p)
-        out = mu_space.multi_scale_deformable_attn(value, self.shapes, self.starts, loc, aw,
-                                                   backend=self.backend)  # [bs*N, max_len, d]
+        out = mu_space.multi_scale_deformable_attn(
+            value, self.shapes, self.starts, loc, aw, backend=self.backend
+        )  # [bs*N, max_len, d]
         out = out.view(bs, n * ml, d) * self.slot_mask.view(1, n * ml, 1)
         slots = query.new_zeros(bs, nq, d).index_add(1, self.gather_idx.flatten(), out)
         slots = slots / self.count[None, :, None]
@@ -255,8 +274,9 @@ class EncoderLayer(nn.Module):
         self.tsa = TemporalSelfAttention(cfg, backend)
         self.sca = SpatialCrossAttention(cfg, backend)
         self.norms = nn.ModuleList(nn.LayerNorm(cfg.embed) for _ in range(3))
-        self.ffn = nn.Sequential(nn.Linear(cfg.embed, cfg.ffn), nn.ReLU(inplace=True),
-                                 nn.Linear(cfg.ffn, cfg.embed))
+        self.ffn = nn.Sequential(
+            nn.Linear(cfg.embed, cfg.ffn), nn.ReLU(inplace=True), nn.Linear(cfg.ffn, cfg.embed)
+        )
 
     def forward(self, query, prev_bev, img_feats) -> dict[str, torch.Tensor]:
         x = self.norms[0](self.tsa(query, prev_bev))
@@ -283,12 +303,22 @@ def main(argv: list[str] | None = None) -> int:
     batch = args.batch or 1
     inputs = make_inputs(cfg, batch, args.device, args.seed)
     hits = camera_hits(cfg)[1].sum(1).long().tolist()
-    title = (f"BEVFormer encoder layer ({cfg.name}: bs {batch}, BEV {cfg.bev_hw}, embed "
-             f"{cfg.embed}, heads {cfg.heads}, levels {list(cfg.levels)}, TSA points "
-             f"{cfg.tsa_points} x 2 queues, SCA points {cfg.sca_points} over {cfg.z_anchors} "
-             f"anchors)\nBEV queries seen per camera: {hits} (max_len {max(hits)})")
-    return _common.run_ab(args, title, lambda backend: EncoderLayer(cfg, backend), inputs,
-                          OUT_TOL, GRAD_L2_TOL, grad_metric="l2", op_checks=OP_CHECKS)
+    title = (
+        f"BEVFormer encoder layer ({cfg.name}: bs {batch}, BEV {cfg.bev_hw}, embed "
+        f"{cfg.embed}, heads {cfg.heads}, levels {list(cfg.levels)}, TSA points "
+        f"{cfg.tsa_points} x 2 queues, SCA points {cfg.sca_points} over {cfg.z_anchors} "
+        f"anchors)\nBEV queries seen per camera: {hits} (max_len {max(hits)})"
+    )
+    return _common.run_ab(
+        args,
+        title,
+        lambda backend: EncoderLayer(cfg, backend),
+        inputs,
+        OUT_TOL,
+        GRAD_L2_TOL,
+        grad_metric="l2",
+        op_checks=OP_CHECKS,
+    )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class LSSVTransform(nn.Module):
         h, w = img_feat.shape[-2:]
         x = self.depthnet(img_feat)
         depth = x[:, : self.D].softmax(dim=1)
-        ctx = x[:, self.D: self.D + self.C]
+        ctx = x[:, self.D : self.D + self.C]
         x = depth.unsqueeze(1) * ctx.unsqueeze(2)  # [B*N, C, D, H, W]
         return x.view(b, n, self.C, self.D, h, w).permute(0, 1, 3, 4, 5, 2)  # [B, N, D, H, W, C]
 
@@ -100,10 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config(args.small, args.batch or 1)
     in_ch = SMALL_IN_CHANNELS if args.small else IN_CHANNELS
     inputs = make_inputs(cfg, in_ch, args.device, args.seed)
-    title = (f"BEVFusion LSS camera vtransform ({cfg.name}: B {cfg.batch}, N {cfg.cameras}, "
-             f"D {cfg.n_depth}, C {cfg.channels}, features {cfg.feature_hw}, grid {cfg.grid_size})")
-    return _common.run_ab(args, title, lambda backend: LSSVTransform(cfg, in_ch, backend),
-                          inputs, OUT_TOL, GRAD_TOL, no_grad_inputs=("geom",))
+    title = (
+        f"BEVFusion LSS camera vtransform ({cfg.name}: B {cfg.batch}, N {cfg.cameras}, "
+        f"D {cfg.n_depth}, C {cfg.channels}, features {cfg.feature_hw}, grid {cfg.grid_size})"
+    )
+    return _common.run_ab(
+        args,
+        title,
+        lambda backend: LSSVTransform(cfg, in_ch, backend),
+        inputs,
+        OUT_TOL,
+        GRAD_TOL,
+        no_grad_inputs=("geom",),
+    )
 
 
 if __name__ == "__main__":
