@@ -1,5 +1,6 @@
 """Patcher mechanics on stand-in upstream modules created by the tests."""
 
+import re
 import sys
 import types
 
@@ -156,3 +157,52 @@ def test_upstream_that_fails_to_import_is_a_skip(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     (result,) = Patcher([Patch("broken", "brokenup.thing", ours)]).apply()
     assert result.status == "skipped" and "needs a CUDA build" in result.reason
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, needle",
+    [
+        ({"name": ""}, ValueError, "name must be a non-empty string"),
+        ({"target": "pool"}, ValueError, "target must be a dotted path"),
+        ({"target": "fakeup..pool"}, ValueError, "target must be a dotted path"),
+        ({"target": None}, TypeError, "target must be a dotted path string"),
+        ({"make_replacement": "ours"}, TypeError, "make_replacement must be callable"),
+        ({"aliases": "fakeup.ops.pool_fn"}, TypeError, "aliases=('fakeup.ops.pool_fn',)"),
+        ({"aliases": ("pool_fn",)}, ValueError, "alias must be a dotted path"),
+        ({"precheck": True}, TypeError, "precheck must be callable or None"),
+        ({"enabled": "no"}, TypeError, "enabled must be True or False"),
+    ],
+)
+def test_patch_arguments_are_checked_when_built(kwargs, error, needle):
+    args = {"name": "pool", "target": "fakeup.ops.pool.pool", "make_replacement": ours, **kwargs}
+    with pytest.raises(error, match=re.escape(needle)):
+        Patch(**args)
+
+
+def test_patch_aliases_list_becomes_a_tuple():
+    assert Patch("pool", "a.b", ours, aliases=["a.c"]).aliases == ("a.c",)
+
+
+def test_patcher_arguments_are_checked_when_built():
+    patch = Patch("pool", "fakeup.ops.pool.pool", ours)
+    with pytest.raises(TypeError, match="wrap the Patch in a list"):
+        Patcher(patch)
+    with pytest.raises(TypeError, match="add\\(\\) takes a Patch, got str"):
+        Patcher(["fakeup.ops.pool.pool"])
+    with pytest.raises(TypeError, match="rebind_loaded_modules must be True or False"):
+        Patcher([patch], rebind_loaded_modules="yes")
+
+
+def test_changes_while_applied_are_errors(upstream):
+    patcher = Patcher([Patch("pool", "fakeup.ops.pool.pool", ours)])
+    with patcher:
+        for change in (
+            lambda: patcher.disable("pool"),
+            lambda: patcher.enable("pool"),
+            lambda: patcher.add(Patch("other", "fakeup.ops.pool_fn", ours)),
+        ):
+            with pytest.raises(RuntimeError, match="restore\\(\\) first"):
+                change()
+        with pytest.raises(KeyError, match="no patch named"):  # an unknown name stays a KeyError
+            patcher.disable("nope")
+    patcher.disable("pool")  # fine once restored

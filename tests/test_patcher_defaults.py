@@ -22,6 +22,7 @@ from mu_space.ops.multi_scale_deformable_attn import (
     multi_scale_deformable_attn_reference_backward,
 )
 from mu_space.patcher import default_patcher, default_patches
+from mu_space.runtime.kernel_dispatch import BACKENDS
 from mu_space.testing import bev_geometry, bev_pool_inputs, msda_inputs
 from tests.helpers import assert_close, native_gpu_device
 
@@ -270,6 +271,20 @@ def test_default_patcher_is_fresh_and_lists_the_call_sites():
         p for p in b.patches if p.name == "mmcv.multi_scale_deformable_attn_pytorch"
     ).enabled
     assert all(p.precheck is not None and p.description for p in default_patches())
+
+
+@pytest.mark.parametrize("backend", ["nonsense", "Native", None, 0])
+def test_unknown_backend_is_rejected_when_the_patcher_is_built(backend):
+    for build in (default_patcher, default_patches):
+        with pytest.raises(ValueError, match="backend must be one of") as err:
+            build(backend=backend)
+        assert all(repr(b) in str(err.value) for b in BACKENDS), err.value
+        assert repr(backend) in str(err.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_is_accepted(backend):
+    assert {p.name for p in default_patcher(backend=backend).patches} == ALL
 
 
 def test_absent_upstream_is_a_clean_skip(absent):

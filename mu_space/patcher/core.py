@@ -19,8 +19,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
+def _check_dotted(what: str, path: Any) -> None:
+    if not isinstance(path, str):
+        raise TypeError(f"{what} must be a dotted path string, got {type(path).__name__}")
+    if len(path.split(".")) < 2 or not all(part.isidentifier() for part in path.split(".")):
+        raise ValueError(f"{what} must be a dotted path 'package.module.attribute', got {path!r}")
+
+
 @dataclass
 class Patch:
+    """One upstream object to replace. The arguments are checked here, so a mistake is an error
+    when the patch is written, not a skip reason at `apply()`."""
+
     name: str
     target: str  # dotted path: "package.module.Attribute" or "package.module.Class.method"
     make_replacement: Callable[[Any], Any]  # original -> replacement
@@ -28,6 +38,33 @@ class Patch:
     precheck: Callable[[Any], str | None] | None = None  # original -> reason to skip, or None
     enabled: bool = True
     description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Patch name must be a non-empty string, got {self.name!r}")
+        _check_dotted(f"Patch {self.name!r}: target", self.target)
+        if not callable(self.make_replacement):
+            raise TypeError(
+                f"Patch {self.name!r}: make_replacement must be callable (original -> "
+                f"replacement), got {type(self.make_replacement).__name__}"
+            )
+        if isinstance(self.aliases, str):  # a bare string would be iterated letter by letter
+            raise TypeError(
+                f"Patch {self.name!r}: aliases must be a tuple of dotted paths, got the string "
+                f"{self.aliases!r} (write aliases=({self.aliases!r},))"
+            )
+        self.aliases = tuple(self.aliases)
+        for alias in self.aliases:
+            _check_dotted(f"Patch {self.name!r}: alias", alias)
+        if self.precheck is not None and not callable(self.precheck):
+            raise TypeError(
+                f"Patch {self.name!r}: precheck must be callable or None, "
+                f"got {type(self.precheck).__name__}"
+            )
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"Patch {self.name!r}: enabled must be True or False")
+        if not isinstance(self.description, str):
+            raise TypeError(f"Patch {self.name!r}: description must be a string")
 
 
 @dataclass
@@ -74,6 +111,14 @@ def resolve(path: str) -> tuple[Any, str, Any]:
 
 class Patcher:
     def __init__(self, patches=(), *, rebind_loaded_modules: bool = True):
+        if isinstance(patches, Patch):
+            raise TypeError(
+                "patches must be an iterable of Patch objects: wrap the Patch in a list"
+            )
+        if not isinstance(rebind_loaded_modules, bool):
+            raise TypeError(
+                f"rebind_loaded_modules must be True or False, got {rebind_loaded_modules!r}"
+            )
         self._patches: dict[str, Patch] = {}
         self._saved: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) in apply order
         self._results: list[PatchResult] = []
@@ -82,7 +127,15 @@ class Patcher:
             self.add(patch)
 
     # ------------------------------------------------------------------ configuration
+    def _check_not_applied(self, action: str) -> None:
+        # The patch set is read by apply(); a change now would silently do nothing until then.
+        if self._saved:
+            raise RuntimeError(f"cannot {action} while the patches are applied; restore() first")
+
     def add(self, patch: Patch) -> Patcher:
+        if not isinstance(patch, Patch):
+            raise TypeError(f"add() takes a Patch, got {type(patch).__name__}")
+        self._check_not_applied("add a patch")
         if patch.name in self._patches:
             raise ValueError(f"a patch named {patch.name!r} is already registered")
         self._patches[patch.name] = patch
@@ -95,11 +148,15 @@ class Patcher:
             raise KeyError(f"no patch named {name!r}; known: {sorted(self._patches)}") from None
 
     def disable(self, name: str) -> Patcher:
-        self._named(name).enabled = False
+        patch = self._named(name)
+        self._check_not_applied(f"disable {name!r}")
+        patch.enabled = False
         return self
 
     def enable(self, name: str) -> Patcher:
-        self._named(name).enabled = True
+        patch = self._named(name)
+        self._check_not_applied(f"enable {name!r}")
+        patch.enabled = True
         return self
 
     @property

@@ -28,6 +28,7 @@ import torch
 
 import mu_space
 from mu_space.patcher.core import Patch, Patcher
+from mu_space.runtime.kernel_dispatch import BACKENDS
 
 MSDA_MODULE = "mmcv.ops.multi_scale_deform_attn"
 BEV_POOL_V2_MODULE = "mmdet3d.ops.bev_pool_v2.bev_pool"
@@ -303,9 +304,20 @@ def _bev_pool(backend: str) -> Callable[[Any], Any]:
 # --------------------------------------------------------------------------- assembly
 
 
+def _check_backend(backend: Any) -> None:
+    # Checked here: the ops would only reject it at the first model call.
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+        )
+
+
 def default_patches(*, backend: str = "auto") -> list[Patch]:
     """Fresh Patch objects for the upstream call sites muSPACE replaces (docs/patcher.md).
-    `backend` is passed to every muSPACE call ("auto", "native", "reference", ...)."""
+    `backend` is passed to every muSPACE call: one of
+    `mu_space.runtime.kernel_dispatch.BACKENDS` ("auto", "native", "cuda", "musa", "reference");
+    anything else is a ValueError here."""
+    _check_backend(backend)
     return [
         Patch(
             "mmcv.MultiScaleDeformableAttnFunction",
