@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-BACKEND_CHOICES = ("native", "reference", "auto", "cuda", "musa")
+from mu_space.runtime.kernel_dispatch import BACKENDS as BACKEND_CHOICES
 
 
 def make_parser(description: str) -> argparse.ArgumentParser:

@@ -1,10 +1,10 @@
 """DDP training of BEVDet's view-transformer hot path (depth/context heads -> muSPACE
 bev_pool_prepare -> bev_pool_v2) on synthetic data, with three checks.
 
-    # GPU, 2 processes (NCCL); NVLink multicast (NVLS) off:
+    # GPU (NCCL), 1 process (writes the reference), then 2; NVLink multicast (NVLS) off:
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 1 model_examples/BEVDet/scripts/train_ddp.py --compare-single /tmp/bevdet_single.json
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 model_examples/BEVDet/scripts/train_ddp.py --compare-single /tmp/bevdet_single.json
-    # CPU (gloo), tiny shapes:
+    # CPU (gloo), tiny shapes, 1 then 2 processes:
     torchrun --nproc_per_node 1 model_examples/BEVDet/scripts/train_ddp.py --device cpu --small --compare-single /tmp/s.json
     torchrun --nproc_per_node 2 model_examples/BEVDet/scripts/train_ddp.py --device cpu --small --compare-single /tmp/s.json
 
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bevdet_view_transformer as vt  # noqa: E402
 
+from mu_space.runtime.kernel_dispatch import BACKENDS  # noqa: E402
 from mu_space.testing import bev_geometry  # noqa: E402
 
 LOSS_DROP = 0.9
@@ -70,6 +71,7 @@ def parse(argv):
     p.add_argument("--lr", type=float, default=None, help="SGD learning rate")
     p.add_argument(
         "--backend",
+        choices=BACKENDS,
         default=None,
         help="muSPACE backend (default: native on cuda, reference on cpu)",
     )
