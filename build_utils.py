@@ -157,8 +157,16 @@ def _cuda_arch_flags(archs: list[str]) -> list[str]:
     return flags
 
 
-def compile_command(tc: Toolchain, source: Path, obj: Path, includes: list[str]) -> list[str]:
+def source_flags(backend: str, includes: list[str], musa_arch: str = "") -> list[str]:
+    """The -D and -I flags of every compile of a native source for `backend` ("cuda" or
+    "musa"); scripts/clang_cuda_check.sh gives clang the same ones."""
     inc = [f"-I{ROOT / 'csrc' / 'ffi'}"] + [f"-I{p}" for p in includes]
+    if backend == "cuda":
+        return ["-DMUSPACE_BUILD_CUDA", *inc]
+    return ["-DMUSPACE_BUILD_MUSA", f"-DMUSPACE_MUSA_ARCH={musa_arch}", *inc]
+
+
+def compile_command(tc: Toolchain, source: Path, obj: Path, includes: list[str]) -> list[str]:
     if tc.backend == "cuda":
         return [
             tc.compiler,
@@ -170,9 +178,8 @@ def compile_command(tc: Toolchain, source: Path, obj: Path, includes: list[str])
             "-Xcompiler",
             "-fPIC",
             "--expt-relaxed-constexpr",
-            "-DMUSPACE_BUILD_CUDA",
             *_cuda_arch_flags(tc.archs),
-            *inc,
+            *source_flags("cuda", includes),
             "-c",
             str(source),
             "-o",
@@ -187,9 +194,7 @@ def compile_command(tc: Toolchain, source: Path, obj: Path, includes: list[str])
         "-O3",
         "-fPIC",
         f"--offload-arch=mp_{arch}",
-        "-DMUSPACE_BUILD_MUSA",
-        f"-DMUSPACE_MUSA_ARCH={arch}",
-        *inc,
+        *source_flags("musa", includes, arch),
         "-c",
         str(source),
         "-o",

@@ -1,7 +1,9 @@
 """MUSA portability rules (DESIGN.md §4), checked statically over csrc/:
 - vendor runtime names (cuda*/musa*/CUDA*/MUSA*) only in csrc/ffi/gpu_compat.muh;
 - no literal warp width 32 in warp intrinsics, no 0xffffffff lane masks;
-- no double precision in kernels."""
+- no double precision in kernels;
+- attributes before `__shared__` (`alignas(16) __shared__ T buf[N]`): clang, and so mcc, rejects
+  an attribute list after it (scripts/clang_cuda_check.sh compiles the tree with clang)."""
 
 import re
 from pathlib import Path
@@ -17,6 +19,7 @@ FULL_MASK = re.compile(r"0x[fF]{8}\b")
 WARP_32 = re.compile(
     r"__shfl\w*\s*\([^;]*\b32\s*\)|\b(?:warp_?size|WARP_?SIZE)\s*=\s*32\b|\bwarpSize\b"
 )
+ATTRIBUTE_AFTER_SHARED = re.compile(r"__shared__\s+(?:alignas\b|__align__\b|__attribute__\b|\[\[)")
 DOUBLE = re.compile(r"\bdouble\b|\b\d+\.\d*(?:[eE][-+]?\d+)?(?![fF\w])")
 
 
@@ -57,12 +60,24 @@ def test_no_double_precision(path):
     )
 
 
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_attributes_before_shared(path):
+    hits = [m.group(0) for m in ATTRIBUTE_AFTER_SHARED.finditer(_code(path))]
+    assert not hits, (
+        f"{path.name}: {hits[:3]}: write the attribute first (alignas(16) __shared__ ...); "
+        "clang-based compilers (mcc) reject an attribute after __shared__"
+    )
+
+
 def test_rules_catch_violations(tmp_path):
     bad = tmp_path / "bad.mu"
     bad.write_text(
         "__global__ void k(double* x) { cudaMemcpy(0,0,0,0); "
         "x[0] = __shfl_xor_sync(0xffffffff, 1.0, 32); }  // cudaFree is fine here\n"
+        "__shared__ alignas(16) unsigned char a[16]; __shared__ __align__(8) float b[2];\n"
+        "alignas(16) __shared__ unsigned char ok[16];\n"
     )
     code = _code(bad)
     assert VENDOR_NAME.findall(code) == ["cudaMemcpy"]
     assert FULL_MASK.search(code) and WARP_32.search(code) and DOUBLE.search(code)
+    assert len(ATTRIBUTE_AFTER_SHARED.findall(code)) == 2

@@ -563,7 +563,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
     forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_points,
                    int points_per_block, int channels, int cells_per_batch, int window_cells) {
   __shared__ float s_part[kThreads * VEC];
-  __shared__ alignas(16) unsigned char s_stage_raw[stage_elems<T, VEC>() * sizeof(T)];
+  alignas(16) __shared__ unsigned char s_stage_raw[stage_elems<T, VEC>() * sizeof(T)];
   __shared__ unsigned char s_flags[kThreads];
   __shared__ int s_q[4];
   const int tid = threadIdx.x;
@@ -631,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
                            int n_points, int points_per_block, int64_t n_depth, int64_t n_rows,
                            int channels, int n_cells, int cells_per_batch, int window_cells) {
   constexpr int kStageElems = backward_stage_elems<T>();
-  __shared__ alignas(16) unsigned char s_stage_raw[kStageElems * sizeof(T)];
+  alignas(16) __shared__ unsigned char s_stage_raw[kStageElems * sizeof(T)];
   __shared__ float s_red[2][kUnroll][kThreads];  // per-lane partial dots, double-buffered
   __shared__ int s_range[2];
   T* stage = reinterpret_cast<T*>(s_stage_raw);
