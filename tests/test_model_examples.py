@@ -1,16 +1,19 @@
 """The model-example scripts (model_examples/*/scripts) keep working: each A/B script's main()
 runs in-process at --small shapes on the CPU (reference vs reference: native kernels do not run
 on the CPU), a deliberately wrong backend A is caught, and the DDP training script runs under
-torchrun with 1 and then 2 gloo processes and passes its three checks. The same scripts run on
-the GPU (native vs reference, upstream shapes) from the READMEs' commands."""
+torchrun with 1 and then 2 gloo processes and passes its three checks, and the BEVFormer
+README's extra Patch works as written. The same scripts run on the GPU (native vs reference,
+upstream shapes) from the READMEs' commands."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -119,3 +122,59 @@ def test_train_ddp_two_gloo_processes_match_one(tmp_path):
         hits = [s for s in two.stdout.splitlines() if s.startswith(line)]
         assert hits and hits[0].endswith("ok"), two.stdout
     assert "PASS" in two.stdout
+
+
+def test_bevformer_readme_fork_patch(monkeypatch):
+    """The extra `Patch` for BEVFormer's `MultiScaleDeformableAttnFunction_fp32` in
+    model_examples/BEVFormer/README.md, run as written on a stand-in of the plugin module (and
+    an attention module that imported the fork by value): applied, called, restored."""
+    readme = (EXAMPLES / "BEVFormer" / "README.md").read_text()
+    (snippet,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "MSDAFp32" in b]
+    path = "projects.mmdet3d_plugin.bevformer.modules.multi_scale_deformable_attn_function"
+    parts = path.split(".")
+    modules = {}
+    for i in range(1, len(parts) + 1):
+        name = ".".join(parts[:i])
+        modules[name] = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, modules[name])
+        if i > 1:
+            setattr(modules[".".join(parts[: i - 1])], parts[i - 1], modules[name])
+
+    class MultiScaleDeformableAttnFunction_fp32:  # upstream's name
+        @staticmethod
+        def apply(*args):
+            raise AssertionError("the fork must be replaced")
+
+    modules[path].MultiScaleDeformableAttnFunction_fp32 = MultiScaleDeformableAttnFunction_fp32
+    attention = types.ModuleType("projects.mmdet3d_plugin.bevformer.modules.attention")
+    attention.MultiScaleDeformableAttnFunction_fp32 = MultiScaleDeformableAttnFunction_fp32
+    monkeypatch.setitem(sys.modules, attention.__name__, attention)
+
+    namespace: dict = {}
+    exec(compile(snippet, "BEVFormer/README.md", "exec"), namespace)
+    patcher = namespace["patcher"]
+    try:
+        (result,) = [
+            r
+            for r in patcher.results()
+            if r.name == "bevformer.MultiScaleDeformableAttnFunction_fp32"
+        ]
+        assert result.status == "applied", result
+        assert f"{attention.__name__}.MultiScaleDeformableAttnFunction_fp32" in result.targets
+        g = torch.Generator().manual_seed(0)
+        shapes = torch.tensor([[3, 4], [2, 2]])
+        starts = torch.tensor([0, 12])
+        value = torch.randn(2, 16, 2, 4, generator=g).half()
+        loc = torch.rand(2, 5, 2, 2, 3, 2, generator=g)
+        weights = torch.rand(2, 5, 2, 2, 3, generator=g).softmax(-1)
+        out = attention.MultiScaleDeformableAttnFunction_fp32.apply(
+            value, shapes, starts, loc, weights, 64
+        )
+        want = mu_space.multi_scale_deformable_attn(
+            value.float(), shapes, starts, loc, weights, backend="reference"
+        )
+        assert out.dtype == torch.float32  # the fork computes in float32
+        torch.testing.assert_close(out, want)
+    finally:
+        patcher.restore()
+    assert attention.MultiScaleDeformableAttnFunction_fp32 is MultiScaleDeformableAttnFunction_fp32
