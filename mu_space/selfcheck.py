@@ -7,6 +7,7 @@ native kernel can run, the reference alone otherwise. Exit status 1 on any failu
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import platform
 import sys
@@ -16,6 +17,7 @@ import torch
 
 import mu_space
 from mu_space.runtime import kernel_dispatch, native, registry
+from mu_space.testing import tolerances
 
 
 def _default_device() -> torch.device:
@@ -51,68 +53,48 @@ def environment(device: torch.device) -> dict:
 
 
 def _as_tuple(value) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
+    return tuple(value) if isinstance(value, tuple) else (value,)
 
 
-def _max_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    if got.numel() == 0:
-        return 0.0
-    return (got.double() - want.double()).abs().max().item()
-
-
-def _compare(name: str, got, want, atol: float, rtol: float) -> float:
-    worst = 0.0
-    for i, (g, w) in enumerate(zip(_as_tuple(got), _as_tuple(want))):
-        if g.shape != w.shape or g.dtype != w.dtype:
-            raise AssertionError(
-                f"{name}[{i}]: {g.dtype}{list(g.shape)} vs reference {w.dtype}{list(w.shape)}"
-            )
-        torch.testing.assert_close(
-            g,
-            w,
-            atol=atol,
-            rtol=rtol,
-            equal_nan=False,
-            msg=lambda m: f"{name}[{i}] differs from reference: {m}",
-        )
-        worst = max(worst, _max_error(g, w))
-    return worst
-
-
-def _grads(spec, case, backend):
+def _grads(op, sample, backend):
+    """Gradients of the op's differentiable inputs for a fixed random output weighting."""
+    names = op.backward.inputs if op.backward is not None else op.grad_inputs
+    params = list(inspect.signature(op.api).parameters)
+    wanted = {params.index(n) for n in names if n in params}
     args = [
         a.detach().clone().requires_grad_(True)
-        if isinstance(a, torch.Tensor) and a.is_floating_point()
+        if i in wanted and isinstance(a, torch.Tensor) and a.is_floating_point()
         else a
-        for a in case.args
+        for i, a in enumerate(sample.args)
     ]
-    out = spec.api(*args, **case.kwargs, backend=backend)
-    outs = _as_tuple(out)
-    torch.manual_seed(0)
-    weights = [torch.randn_like(o) for o in outs]
+    outs = _as_tuple(op.api(*args, **sample.kwargs, backend=backend))
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(o.shape, generator=gen).to(o) for o in outs]
     torch.autograd.backward(outs, weights)
     return tuple(a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
 
 
-def run_case(spec, case, device) -> dict:
+def run_case(op, sample, device) -> dict:
     # "auto": native where it runs, else the reference with the reason recorded (an error
     # under --strict).
     backend = "auto"
-    row = {"op": spec.name, "case": case.label, "backend": backend}
+    row = {"op": op.name, "case": sample.label, "backend": backend}
     try:
-        want = spec.api(*case.args, **case.kwargs, backend="reference")
-        got = spec.api(*case.args, **case.kwargs, backend=backend)
-        row["max_abs_err"] = _compare("output", got, want, case.atol, case.rtol)
-        if case.backward:
-            err = _compare(
-                "grad",
-                _grads(spec, case, backend),
-                _grads(spec, case, "reference"),
-                case.atol,
-                case.rtol,
+        want = op.api(*sample.args, **sample.kwargs, backend="reference")
+        got = op.api(*sample.args, **sample.kwargs, backend=backend)
+        row["max_abs_err"] = tolerances.assert_close(got, want, op=op.name, name="output")
+        if sample.grad:
+            err = tolerances.assert_close(
+                _grads(op, sample, backend),
+                _grads(op, sample, "reference"),
+                op=op.name,
+                name="grad",
             )
             row["max_abs_err"] = max(row["max_abs_err"], err)
         row["status"] = "PASS"
+    except kernel_dispatch.DispatchError as exc:  # strict mode: one line, no traceback
+        row["status"] = "FAIL"
+        row["error"] = f"DispatchError: {exc}"
     except Exception as exc:  # noqa: BLE001 - every failure is reported, then the run goes on
         row["status"] = "FAIL"
         row["error"] = f"{type(exc).__name__}: {exc}"
@@ -124,13 +106,13 @@ def operator_table(device: torch.device) -> list[dict]:
     reason = native.unavailable_reason(device)
     return [
         {
-            "op": s.name,
-            "family": s.family,
-            "dtypes": list(s.dtypes),
-            "native_entry_points": {e: native.has_function(e) for e in s.native_entry_points},
+            "op": op.name,
+            "family": op.family,
+            "dtypes": [str(d).removeprefix("torch.") for d in op.native_dtypes],
+            "native_entry_points": {e: native.has_function(e) for e in op.entry_points},
             "auto_backend_here": device.type if reason is None else "reference",
         }
-        for s in registry.operators()
+        for op in registry.operators()
     ]
 
 
@@ -174,9 +156,7 @@ def main(argv=None) -> int:
     table = operator_table(device)
     torch.manual_seed(0)
     rows = [
-        run_case(spec, case, device)
-        for spec in registry.operators()
-        for case in spec.self_check_cases(device)
+        run_case(op, sample, device) for op in registry.operators() for sample in op.samples(device)
     ]
     failed = [r for r in rows if r["status"] != "PASS"]
     if args.strict and not env["native_usable_on_device"]:

@@ -1,17 +1,15 @@
-"""Public operators. Importing this package registers every operator in the registry."""
+"""Public operators. Importing this package imports every operator module (`mu_space/ops/*.py`
+whose name does not start with `_`), which registers its definition; the operators' public
+functions are exported here from the registry (no hand-kept list)."""
 
-from mu_space.ops.add_one import add_one  # build smoke, not in the operator matrix
-from mu_space.ops.bev_pool import bev_pool
-from mu_space.ops.bev_pool_prepare import bev_pool_prepare
-from mu_space.ops.bev_pool_v2 import bev_pool_v2
-from mu_space.ops.bev_pool_v3 import bev_pool_v3
-from mu_space.ops.multi_scale_deformable_attn import multi_scale_deformable_attn
+import importlib as _importlib
+import pkgutil as _pkgutil
 
-__all__ = [
-    "add_one",
-    "bev_pool",
-    "bev_pool_prepare",
-    "bev_pool_v2",
-    "bev_pool_v3",
-    "multi_scale_deformable_attn",
-]
+from mu_space.runtime import registry as _registry
+
+for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
+    _importlib.import_module(f"{__name__}.{_module}")
+
+__all__ = sorted(op.api.__name__ for op in _registry.operators())
+for _op in _registry.operators():
+    globals()[_op.api.__name__] = _op.api

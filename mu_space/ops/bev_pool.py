@@ -1,61 +1,33 @@
-"""`bev_pool`: BEVFusion's BEV pooling of lifted frustum features (drop-in for
-`mmdet3d.ops.bev_pool.bev_pool`).
+"""`bev_pool`: BEVFusion's BEV pooling of lifted frustum features. Formula, shapes and the
+differences from upstream: the public function's docstring and docs/operators/bev_pool.md.
 
-    out[b, c, d, h, w] = sum over points i with coords[i] == (h, w, d, b) of feats[i, c]
-
-    feats    Tensor[n, C]  float32 / float16 / bfloat16 (float64 on the reference path): the
-             already multiplied frustum features (depth x image feature), one row per point
-    coords   Tensor[n, 4]  int32 / int64, columns (x, y, z, batch) as BEVFusion builds them:
-             x indexes H, y indexes W, z indexes D (BEVFusion calls
-             bev_pool(x, geom, B, nx[2], nx[0], nx[1]), i.e. D = z cells, H = x cells, W = y cells)
-    B, D, H, W  ints (or 0-d integer tensors, as BEVFusion passes `self.nx[i]`)
-    returns  Tensor[B, C, D, H, W] in feats' dtype (float32 accumulation); cells without
-             points are 0
-
-Upstream sorts the points by cell (torch argsort), cuts intervals (torch.where: a host sync) and
-sums each interval in a CUDA kernel, float32 only. Here the sorting and intervals are done
-inside too, on the GPU:
+Native path (a composite op): the flat cells of the coordinates, then `bev_pool_rows`
+(sort_by_cell + bev_pool_v2 without depth inside one custom op, row-gather backward):
 
     cell = ((b*D + z)*H + x)*W + y       (-1 when any coordinate is outside its dimension)
-    order, starts, lengths = bev_pool_prepare.sort_by_cell(cell, B*D*H*W)   (deterministic)
+    order, starts, lengths = sort_by_cell(cell, B*D*H*W)                   (deterministic)
     bev_pool_v2(None, feats, None, order, cell[order], (B, D, H, W, C), starts, lengths)
 
-which is DrivingSDK's `bev_pool_v3` v1 mode, and shares its code (`bev_pool_v3.py`).
-
-Differences from upstream (docs/operators/bev_pool.md):
-- out-of-range coords: upstream writes out of bounds (undefined behaviour, or a crash);
-  here a point with any coordinate outside [0, dim) is dropped (contributes nothing, grad 0);
-- float16 / bfloat16 inputs (float32 accumulation, output in the input dtype);
-- deterministic forward and backward: each point has exactly one cell, so the backward is a
-  row gather of the (channels-last) output gradient, in PyTorch: no atomics, no sort;
-- the sort's data-dependent interval count synchronises with the host once per forward, like
-  upstream's `torch.where`.
-Backward: grad for feats (coords are integer).
+which is DrivingSDK's `bev_pool_v3` v1 mode. Upstream sorts with torch argsort and cuts the
+intervals with torch.where (a host sync); here the sort's data-dependent interval count
+synchronises with the host once per forward, likewise.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mu_space.ops import _bev, _opdef
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
-from mu_space.ops.bev_pool_v3 import (
-    _ROWS_ENTRY_POINTS,
-    Grid,
-    _as_int,
-    _check_floating,
-    _coords_to_cells,
-    _pool_reference,
-    _pool_rows_native,
-    _use_native,
-)
-from mu_space.runtime import registry
+from mu_space.ops.bev_pool_rows import bev_pool_rows
+from mu_space.runtime import native
 
-OP = "bev_pool"
+_ENTRY_POINTS = ("sort_by_cell_forward", "bev_pool_sort_workspace_ints", "bev_pool_v2_forward")
 
 
-def _check(feats, coords, B, D, H, W) -> Grid:
-    dims = tuple(_as_int(v, name) for v, name in ((B, "B"), (D, "D"), (H, "H"), (W, "W")))
-    _check_floating(feats, "feats")
+def _check(feats, coords, B, D, H, W) -> _opdef.Checked:
+    dims = tuple(_bev.as_int(v, name) for v, name in ((B, "B"), (D, "D"), (H, "H"), (W, "W")))
+    _bev.check_floating(feats, "feats")
     if feats.dim() != 2:
         raise ValueError(f"feats must be 2-D [n, C], got {feats.dim()}-D")
     check_tensor(coords, "coords")
@@ -68,68 +40,67 @@ def _check(feats, coords, B, D, H, W) -> Grid:
         raise ValueError(
             f"coords.shape[0] must be {feats.shape[0]} (the rows of feats), got {coords.shape[0]}"
         )
+    grid = _bev.Grid(*dims, feats.shape[1])
     b, d, h, w = dims
-    return Grid(b, d, h, w, feats.shape[1])
+    shape = (b, grid.C, d, h, w)
+    return _opdef.Checked(feats.device, feats.dtype, ((shape, feats.dtype),), grid, "feats")
 
 
 def bev_pool_reference(feats, coords, B, D, H, W) -> torch.Tensor:
     """PyTorch reference of `bev_pool` (index_add over the flat cells; CPU or GPU; float64)."""
-    grid = _check(feats, coords, B, D, H, W)
-    cells = _coords_to_cells(coords, grid[:4])
-    return _pool_reference(None, feats, None, None, cells, grid)
+    grid = _check(feats, coords, B, D, H, W).info
+    cells = _bev.coords_to_cells(coords, grid[:4])
+    return _bev.pool_reference(None, feats, None, None, cells, grid)
 
 
-def bev_pool(feats, coords, B, D, H, W, *, backend: str = "auto") -> torch.Tensor:
-    """BEVFusion `bev_pool(feats[n, C], coords[n, 4], B, D, H, W)` -> Tensor[B, C, D, H, W].
-
-    See the module docstring for the semantics and what differs from upstream (out-of-range
-    points are dropped; fp16/bf16; deterministic). Backward gives grad for feats.
-    """
-    grid = _check(feats, coords, B, D, H, W)
-    cells = _coords_to_cells(coords, grid[:4])
-    if _use_native(OP, backend, feats, grid, feats.shape[0]):
-        return _pool_rows_native(feats, cells, grid, backend)
-    return _pool_reference(None, feats, None, None, cells, grid)
+def _supports(c: _opdef.Checked) -> str | None:
+    if c.info.n_cells > (limit := native.limit("bev_pool_v2.max_cells")):
+        return f"B*D*H*W = {c.info.n_cells} cells do not fit the native kernels' {limit}"
+    return None
 
 
-def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
+def _forward_native(c, feats, coords, B, D, H, W, *, backend):
+    grid = c.info
+    cells = _bev.coords_to_cells(coords, grid[:4])
+    if feats.shape[0] == 0 or grid.C == 0 or grid.n_cells == 0:
+        return _bev.pool_reference(None, feats, None, None, cells, grid)
+    return bev_pool_rows(feats, cells, grid, backend=backend)
+
+
+def _samples(device: torch.device) -> list[_opdef.Sample]:
     from mu_space.testing import bev_pool_inputs
 
     cases = []
-    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
         a = bev_pool_inputs.bevfusion_inputs("tiny", batch=2, dtype=dtype, device=device)
         cases.append(
-            registry.SelfCheckCase(
+            _opdef.Sample(
                 f"tiny B=2 {dtype_name(dtype)}",
                 (a["feats"], a["coords"], a["B"], a["D"], a["H"], a["W"]),
-                atol=tol,
-                rtol=tol,
-                backward=dtype == torch.float32,
+                grad=dtype == torch.float32,
             )
         )
     a = bev_pool_inputs.bevfusion_inputs("tiny", device=device, keep_out_of_range=True)
-    cases.append(
-        registry.SelfCheckCase(
-            "tiny, out-of-range coords dropped",
-            (a["feats"], a["coords"].int(), a["B"], a["D"], a["H"], a["W"]),
-            atol=1e-5,
-            rtol=1e-5,
-            backward=True,
-        )
-    )
+    args = (a["feats"], a["coords"].int(), a["B"], a["D"], a["H"], a["W"])
+    cases.append(_opdef.Sample("tiny, out-of-range coords dropped", args, grad=True))
+    cases.append(_opdef.Sample("no points", (args[0][:0], args[1][:0], *args[2:])))
     return cases
 
 
-registry.register(
-    registry.OperatorSpec(
-        name=OP,
+OP = _opdef.define(
+    _opdef.OpDef(
+        name="bev_pool",
         family="bev",
-        api=bev_pool,
+        schema="(Tensor feats, Tensor coords, int B, int D, int H, int W) -> Tensor",
+        check=_check,
         reference=bev_pool_reference,
-        native_entry_points=_ROWS_ENTRY_POINTS,
-        self_check_cases=_self_check_cases,
-        dtypes=("float32", "float16", "bfloat16"),
-        backward="native",
+        native=_forward_native,
+        composite=True,
+        grad_inputs=("feats",),
+        supports=_supports,
+        native_dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        entry_points=_ENTRY_POINTS,
+        samples=_samples,
         upstream="BEVFusion bev_pool",
         models="BEVFusion (camera branch), DepthLSS-style transforms",
         patches=("bevfusion.bev_pool",),
@@ -137,3 +108,32 @@ registry.register(
         doc="docs/operators/bev_pool.md",
     )
 )
+
+
+@OP.export
+def bev_pool(feats, coords, B, D, H, W, *, backend: str = "auto") -> torch.Tensor:
+    """BEVFusion's `bev_pool(feats, coords, B, D, H, W)` (drop-in for
+    `mmdet3d.ops.bev_pool.bev_pool`) -> Tensor[B, C, D, H, W].
+
+        out[b, c, d, h, w] = sum over points i with coords[i] == (h, w, d, b) of feats[i, c]
+
+    Args:
+        feats: Tensor[n, C] float32 / float16 / bfloat16 (float64 on the reference path): the
+            already multiplied frustum features (depth x image feature), one row per point.
+        coords: Tensor[n, 4] int32 / int64, columns (x, y, z, batch) as BEVFusion builds them: x
+            indexes H, y indexes W, z indexes D (BEVFusion calls
+            bev_pool(x, geom, B, nx[2], nx[0], nx[1]): D = z cells, H = x cells, W = y cells).
+        B, D, H, W: ints, or 0-d integer tensors as BEVFusion passes `self.nx[i]`.
+        backend: "auto" | "native" | "cuda" | "musa" | "reference".
+
+    Returns:
+        Tensor[B, C, D, H, W] in feats' dtype (float32 accumulation); cells without points are
+        0. Differentiable w.r.t. feats.
+
+    Differences from upstream: a point with any coordinate outside [0, dim) is dropped (upstream
+    writes out of bounds: undefined behaviour or a crash); float16 / bfloat16 inputs;
+    deterministic forward and backward (each point has exactly one cell, so the backward is a
+    row gather of the channels-last output gradient: no atomics, no sort).
+    """
+    b, d, h, w = (_bev.as_int(v, name) for v, name in ((B, "B"), (D, "D"), (H, "H"), (W, "W")))
+    return OP(feats, coords, b, d, h, w, backend=backend)

@@ -1,51 +1,6 @@
-"""`bev_pool_prepare`: the GPU replacement of BEVDet's `voxel_pooling_prepare_v2`, and
-`sort_by_cell`, the deterministic counting sort the BEV pooling operators share.
-
-bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size) -> BEVPoolRanks
-
-    coor: Tensor[B, N, D, H, W, 3]   ego-frame (x, y, z) of every lifted frustum point
-    q     = (coor - lower) / interval            per axis, in coor's dtype (BEVDet's formula)
-    cell  = q.long()                             truncation toward zero (see "quirk" below)
-    kept  = 0 <= cell_x < X  and  0 <= cell_y < Y  and  0 <= cell_z < Z
-    for each kept point p = ((((b*N + n)*D + d)*H + h)*W + w), sorted by ranks_bev:
-        ranks_bev   = b*Z*Y*X + cell_z*Y*X + cell_y*X + cell_x     (flat index into [B, Z, Y, X])
-        ranks_depth = p                                             (flat index into [B, N, D, H, W])
-        ranks_feat  = ((b*N + n)*H + h)*W + w                       (flat index into [B, N, H, W])
-    interval_starts, interval_lengths: the runs of equal ranks_bev in that order.
-
-All five outputs are int32 1-D tensors on coor's device: three of length n_kept, two of length
-n_intervals. The tuple order is `voxel_pooling_prepare_v2`'s, so it unpacks where that call was:
-
-    ranks_bev, ranks_depth, ranks_feat, interval_starts, interval_lengths = \\
-        mu_space.ops.bev_pool_prepare(coor, lower, interval, size)
-
-and `BEVPoolRanks.bev_pool_v2_args` puts them in BEVDet's `bev_pool_v2` order, so a model pools in
-two lines:
-
-    ranks = mu_space.ops.bev_pool_prepare(coor, lower, interval, size)
-    bev = mu_space.ops.bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(bev_feat_shape))
-
-(BEVDet: `bev_pool_v2(depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat_shape,
-interval_starts, interval_lengths)`.)
-
-Grid: `grid_lower_bound`, `grid_interval` are (x, y, z) numbers or 3-element tensors, used as
-float32 values (BEVDet keeps them in float32 tensors), then cast to coor's dtype as BEVDet's
-`.to(coor)` does; intervals must be positive. `grid_size` is (X, Y, Z) integers (integral floats
-and tensors, like BEVDet's float `grid_size`, are accepted). Tensors on a GPU are read back to the
-host (a sync): pass Python numbers or CPU tensors.
-
-Differences from upstream, all documented in docs/operators/bev_pool_prepare.md:
-- order inside an interval: ascending point index (a stable sort, deterministic); upstream's
-  `argsort` is not stable, so its order inside an interval is unspecified. The sets are equal.
-- no point in the grid: five empty int32 tensors (upstream returns None).
-- NaN / inf coordinates are dropped (upstream's `.long()` of NaN is platform-dependent).
-- quirk kept from upstream: `.long()` truncates toward zero, so q in (-1, 0) lands in cell 0;
-  points just below the lower bound (by less than one cell) are kept in the first cell.
-
-dtypes: float32 native. float16 / bfloat16: native, computing each operation in the input dtype
-exactly as upstream's `(coor - lower.to(coor)) / interval.to(coor)` does (every result rounded to
-the input dtype), so the cells equal upstream's bit for bit. float64: reference path (no FP64 in
-kernels).
+"""`bev_pool_prepare` (BEVDet's `voxel_pooling_prepare_v2` on the GPU) and `sort_by_cell`, the
+deterministic counting sort the BEV pooling operators share. Formula, shapes and differences
+from upstream: the public functions' docstrings and docs/operators/bev_pool_prepare.md.
 
 Native path (O(n + cells), deterministic, no float atomics): stage COUNT = per point its cell
 and an integer histogram, then a single-pass scan over the cells (segment starts, intervals,
@@ -58,15 +13,6 @@ while the GPU still runs the ORDER stage, and the outputs come back stream-order
 A workspace is kept per (device, stream, thread) and left clean by every call, so the zeroing
 launch runs only on first use. The op is not CUDA-graph capturable; prepare the ranks outside a
 captured region (as BEVDet's `init_acceleration_v2` does for a fixed rig).
-
-sort_by_cell(cell, n_cells) -> CellSort(order, interval_starts, interval_lengths)
-
-    cell: Tensor[n] int32 or int64; entries < 0 or >= n_cells are dropped
-    order: int32 [n_kept], the indices of the kept entries sorted by cell, ties by ascending index
-           (a stable sort); intervals: the runs of equal cell in that order.
-
-The internal primitive behind bev_pool_prepare, bev_pool, bev_pool_v3 and bev_pool_v2's
-deterministic backward. Cost O(n + n_cells) time and memory; one host sync (as above).
 """
 
 from __future__ import annotations
@@ -83,13 +29,14 @@ from typing import NamedTuple
 
 import torch
 
+from mu_space.ops import _opdef
+from mu_space.ops._bev import INT32_MAX
 from mu_space.ops._checks import dtype_name
-from mu_space.runtime import kernel_dispatch, native, registry
+from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
 OP = "bev_pool_prepare"
 SORT_OP = "sort_by_cell"
-INT32_MAX = 2**31 - 1
 _COOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _NATIVE_COOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CELL_DTYPES = (torch.int32, torch.int64)
@@ -469,13 +416,7 @@ def _prepare_native(coor, lower, interval, size, n, n_cells) -> BEVPoolRanks:
     cap = min(n, n_cells)
     stream = stream_handle(coor)
     st = _native_state(OP, device, stream, n_cells, _workspace_ints(n, n_cells))
-    outs = (
-        torch.empty(n, dtype=torch.int32, device=device),
-        torch.empty(n, dtype=torch.int32, device=device),
-        torch.empty(n, dtype=torch.int32, device=device),
-        torch.empty(cap, dtype=torch.int32, device=device),
-        torch.empty(cap, dtype=torch.int32, device=device),
-    )
+    outs = tuple(_opdef.new_output(k, torch.int32, device) for k in (n, n, n, cap, cap))
     k, m = _run_native(
         native.function("bev_pool_prepare_forward"),
         (coor, st.workspace, *outs, *lower, *interval, *size),
@@ -500,9 +441,7 @@ def _sort_native(cell, n_cells) -> CellSort:
     cap = min(n, n_cells)
     stream = stream_handle(cell)
     st = _native_state(SORT_OP, device, stream, n_cells, _workspace_ints(n, n_cells))
-    order = torch.empty(n, dtype=torch.int32, device=device)
-    starts = torch.empty(cap, dtype=torch.int32, device=device)
-    lengths = torch.empty(cap, dtype=torch.int32, device=device)
+    order, starts, lengths = (_opdef.new_output(k, torch.int32, device) for k in (n, cap, cap))
     k, m = _run_native(
         native.function("sort_by_cell_forward"),
         (cell, st.workspace, order, starts, lengths, n_cells),
@@ -517,128 +456,41 @@ def _sort_native(cell, n_cells) -> CellSort:
     return CellSort(order, starts, lengths)
 
 
-# --------------------------------------------------------------------------- implementations
+# --------------------------------------------------------------------------- definitions
 
 
-def _prepare_unsupported(coor: torch.Tensor) -> str | None:
-    if coor.dtype not in _NATIVE_COOR_DTYPES:
-        return f"coor dtype {dtype_name(coor.dtype)} has no native kernel (no FP64 in kernels)"
+def _check_prepare(coor, grid_lower_bound, grid_interval, grid_size) -> _opdef.Checked:
+    _check_coor(coor)
+    lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size)
+    n_cells = _n_cells(coor.shape[0], size)
+    return _opdef.Checked(
+        coor.device, coor.dtype, None, (lower, interval, size, coor.numel() // 3, n_cells), "coor"
+    )
+
+
+def _prepare_supports(c: _opdef.Checked) -> str | None:
+    *_, n, n_cells = c.info
+    if n > native.limit("bev_pool_prepare.max_points"):
+        return (
+            f"{n} points exceed the native limit of {native.limit('bev_pool_prepare.max_points')}"
+        )
+    if n_cells > native.limit("bev_pool_prepare.max_cells"):
+        return f"{n_cells} cells exceed the native limit of {native.limit('bev_pool_prepare.max_cells')}"
     return None
 
 
-def _bev_pool_prepare(
-    coor, grid_lower_bound, grid_interval, grid_size, backend: str
-) -> BEVPoolRanks:
-    _check_coor(coor)
-    lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size)
-    B = coor.shape[0]
-    n_cells = _n_cells(B, size)
-    if not kernel_dispatch.use_native(OP, backend, coor.device, _prepare_unsupported(coor)):
-        return bev_pool_prepare_reference(coor, lower, interval, size)
-    n = coor.numel() // 3
+def _prepare_forward(c: _opdef.Checked, coor, grid_lower_bound, grid_interval, grid_size):
+    lower, interval, size, n, n_cells = c.info
     if n == 0:
         return BEVPoolRanks(*(_empty_int32(coor.device) for _ in range(5)))
     return _prepare_native(coor, lower, interval, size, n, n_cells)
 
 
-def _sort_by_cell(cell, n_cells, backend: str) -> CellSort:
-    n_cells = _check_cell(cell, n_cells)
-    if not kernel_dispatch.use_native(SORT_OP, backend, cell.device):
-        return sort_by_cell_reference(cell, n_cells)
-    if cell.numel() == 0 or n_cells == 0:
-        return CellSort(*(_empty_int32(cell.device) for _ in range(3)))
-    return _sort_native(cell, n_cells)
-
-
-# --------------------------------------------------------------------------- custom ops
-
-
-@torch.library.custom_op("mu_space::bev_pool_prepare", mutates_args=())
-def _bev_pool_prepare_op(
-    coor: torch.Tensor,
-    grid_lower_bound: list[float],
-    grid_interval: list[float],
-    grid_size: list[int],
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(_bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size, backend))
-
-
-@_bev_pool_prepare_op.register_fake
-def _(coor, grid_lower_bound, grid_interval, grid_size, backend):
+def _prepare_fake(coor, grid_lower_bound, grid_interval, grid_size):
     ctx = torch.library.get_ctx()
     n_kept, n_intervals = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     ranks = [coor.new_empty(n_kept, dtype=torch.int32) for _ in range(3)]
     return (*ranks, *(coor.new_empty(n_intervals, dtype=torch.int32) for _ in range(2)))
-
-
-@torch.library.custom_op("mu_space::sort_by_cell", mutates_args=())
-def _sort_by_cell_op(
-    cell: torch.Tensor, n_cells: int, backend: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(_sort_by_cell(cell, n_cells, backend))
-
-
-@_sort_by_cell_op.register_fake
-def _(cell, n_cells, backend):
-    ctx = torch.library.get_ctx()
-    n_kept, n_intervals = ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    return (
-        cell.new_empty(n_kept, dtype=torch.int32),
-        cell.new_empty(n_intervals, dtype=torch.int32),
-        cell.new_empty(n_intervals, dtype=torch.int32),
-    )
-
-
-# --------------------------------------------------------------------------- public API
-
-
-def bev_pool_prepare(
-    coor: torch.Tensor, grid_lower_bound, grid_interval, grid_size, *, backend: str = "auto"
-) -> BEVPoolRanks:
-    """Ranks and intervals for `bev_pool_v2` from frustum coordinates (BEVDet's
-    `voxel_pooling_prepare_v2`); see the module docstring for the formula and differences.
-
-    Args:
-        coor: Tensor[B, N, D, H, W, 3] float32 (native), float16 / bfloat16 (native, upstream's
-            arithmetic in that dtype), float64 (reference path); ego-frame x, y, z.
-        grid_lower_bound, grid_interval: (x, y, z) numbers or tensors (used as float32).
-        grid_size: (X, Y, Z) integers.
-        backend: "auto" | "native" | "cuda" | "musa" | "reference".
-
-    Returns:
-        BEVPoolRanks(ranks_bev, ranks_depth, ranks_feat, interval_starts, interval_lengths),
-        int32 1-D on coor's device; empty tensors when no point falls in the grid.
-
-    Usage:
-        ranks = mu_space.ops.bev_pool_prepare(coor, lower, interval, size)
-        bev = mu_space.ops.bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(bev_feat_shape))
-
-    One host synchronisation per call (the output sizes depend on the data).
-    """
-    if torch.compiler.is_compiling():
-        lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size, cached=False)
-        return BEVPoolRanks(
-            *torch.ops.mu_space.bev_pool_prepare(
-                coor, list(lower), list(interval), list(size), backend
-            )
-        )
-    return _bev_pool_prepare(coor, grid_lower_bound, grid_interval, grid_size, backend)
-
-
-def sort_by_cell(cell: torch.Tensor, n_cells: int, *, backend: str = "auto") -> CellSort:
-    """Stable, deterministic counting sort of `cell` (int32/int64 [n]) over [0, n_cells).
-
-    Entries outside [0, n_cells) are dropped. Returns CellSort(order, interval_starts,
-    interval_lengths), int32: `order` = indices of the kept entries sorted by cell, ties by
-    ascending index; intervals = runs of equal cell in `order`. One host synchronisation.
-    """
-    if torch.compiler.is_compiling():
-        return CellSort(*torch.ops.mu_space.sort_by_cell(cell, n_cells, backend))
-    return _sort_by_cell(cell, n_cells, backend)
-
-
-# --------------------------------------------------------------------------- registry
 
 
 def _small_bevdet_config():
@@ -649,41 +501,45 @@ def _small_bevdet_config():
     )
 
 
-def _prepare_case(label: str, cfg, device) -> registry.SelfCheckCase:
+def _prepare_samples(device: torch.device) -> list[_opdef.Sample]:
     from mu_space.testing import bev_geometry
 
-    g = bev_geometry.make(cfg)
-    return registry.SelfCheckCase(
-        label, (g["coor"].to(device), g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
-    )
+    def case(label, cfg, dtype=torch.float32):
+        g = bev_geometry.make(cfg)
+        coor = g["coor"].to(device=device, dtype=dtype)
+        return _opdef.Sample(
+            label, (coor, g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
+        )
 
-
-def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
+    tiny = bev_geometry.make("tiny")
+    empty = tiny["coor"][:, :, :0].to(device)
     return [
-        _prepare_case("tiny", "tiny", device),
-        _prepare_case("bevdet-like B=2 [2,6,30,8,22]", _small_bevdet_config(), device),
+        case("tiny", "tiny"),
+        case("tiny float16", "tiny", torch.float16),
+        case("bevdet-like B=2 [2,6,30,8,22]", _small_bevdet_config()),
+        _opdef.Sample(
+            "no points", (empty, tiny["grid_lower_bound"], tiny["grid_interval"], tiny["grid_size"])
+        ),
     ]
 
 
-def _sort_self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
-    g = torch.Generator().manual_seed(0)
-    cell = torch.randint(-50, 1100, (20000,), generator=g)
-    return [
-        registry.SelfCheckCase("int64 [20000], 1000 cells", (cell.to(device), 1000)),
-        registry.SelfCheckCase("int32 [20000], 7 cells", (cell.int().to(device) % 9 - 1, 7)),
-    ]
-
-
-registry.register(
-    registry.OperatorSpec(
+PREPARE = _opdef.define(
+    _opdef.OpDef(
         name=OP,
         family="bev",
-        api=bev_pool_prepare,
-        reference=bev_pool_prepare_reference,
-        native_entry_points=("bev_pool_prepare_forward", "bev_pool_sort_workspace_ints"),
-        self_check_cases=_self_check_cases,
-        dtypes=("float32", "float16", "bfloat16"),
-        backward="no",
+        schema="(Tensor coor, float[] grid_lower_bound, float[] grid_interval, int[] grid_size) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+        check=_check_prepare,
+        reference=lambda coor, lower, interval, size: bev_pool_prepare_reference(
+            coor, lower, interval, size
+        ),
+        native=_prepare_forward,
+        fake=_prepare_fake,
+        supports=_prepare_supports,
+        result=BEVPoolRanks,
+        native_dtypes=_NATIVE_COOR_DTYPES,
+        entry_points=("bev_pool_prepare_forward", "bev_pool_sort_workspace_ints"),
+        samples=_prepare_samples,
         upstream="BEVDet `voxel_pooling_prepare_v2`",
         models="BEVDet, BEVDepth, FlashOCC",
         patches=("bevdet.voxel_pooling_prepare_v2",),
@@ -692,16 +548,122 @@ registry.register(
     )
 )
 
-registry.register(
-    registry.OperatorSpec(
+
+@PREPARE.export
+def bev_pool_prepare(
+    coor: torch.Tensor, grid_lower_bound, grid_interval, grid_size, *, backend: str = "auto"
+) -> BEVPoolRanks:
+    """Ranks and intervals for `bev_pool_v2` from frustum coordinates: BEVDet's
+    `LSSViewTransformer.voxel_pooling_prepare_v2`, on the GPU.
+
+        coor  Tensor[B, N, D, H, W, 3]   ego-frame (x, y, z) of every lifted frustum point
+        q     = (coor - lower) / interval            per axis, in coor's dtype (BEVDet's formula)
+        cell  = q.long()                             truncation toward zero (see "quirk" below)
+        kept  = 0 <= cell_x < X  and  0 <= cell_y < Y  and  0 <= cell_z < Z
+        for each kept point p = ((((b*N + n)*D + d)*H + h)*W + w), sorted by ranks_bev:
+            ranks_bev   = b*Z*Y*X + cell_z*Y*X + cell_y*X + cell_x   (flat index into [B, Z, Y, X])
+            ranks_depth = p                                           (flat index into [B, N, D, H, W])
+            ranks_feat  = ((b*N + n)*H + h)*W + w                     (flat index into [B, N, H, W])
+        interval_starts, interval_lengths: the runs of equal ranks_bev in that order.
+
+    Returns BEVPoolRanks(ranks_bev, ranks_depth, ranks_feat, interval_starts, interval_lengths):
+    int32 1-D tensors on coor's device, three of length n_kept and two of length n_intervals, in
+    `voxel_pooling_prepare_v2`'s order, so it unpacks where that call was;
+    `ranks.bev_pool_v2_args(bev_feat_shape)` puts them in BEVDet's `bev_pool_v2` order:
+
+        ranks = mu_space.ops.bev_pool_prepare(coor, lower, interval, size)
+        bev = mu_space.ops.bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(bev_feat_shape))
+
+    Args:
+        coor: float32 (native), float16 / bfloat16 (native, each operation rounded to that dtype
+            exactly as upstream's `(coor - lower.to(coor)) / interval.to(coor)`: the cells equal
+            upstream's bit for bit), float64 (reference path: no FP64 in kernels).
+        grid_lower_bound, grid_interval: (x, y, z) numbers or 3-element tensors, used as float32
+            (BEVDet keeps them in float32 tensors); intervals must be positive.
+        grid_size: (X, Y, Z) integers (integral floats and tensors, like BEVDet's float grid_size,
+            are accepted). Tensors on a GPU are read back to the host (a sync): pass numbers.
+        backend: "auto" | "native" | "cuda" | "musa" | "reference".
+
+    Differences from upstream (docs/operators/bev_pool_prepare.md):
+    - order inside an interval: ascending point index (a stable sort, deterministic); upstream's
+      `argsort` is not stable, so its order inside an interval is unspecified. The sets are equal.
+    - no point in the grid: five empty int32 tensors (upstream returns None).
+    - NaN / inf coordinates are dropped (upstream's `.long()` of NaN is platform-dependent).
+    - quirk kept from upstream: `.long()` truncates toward zero, so q in (-1, 0) lands in cell 0:
+      points just below the lower bound (by less than one cell) are kept in the first cell.
+
+    One host synchronisation per call (the output sizes depend on the data); not CUDA-graph
+    capturable.
+    """
+    cached = not torch.compiler.is_compiling()
+    lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size, cached=cached)
+    return PREPARE(coor, list(lower), list(interval), list(size), backend=backend)
+
+
+def _check_sort(cell, n_cells) -> _opdef.Checked:
+    n_cells = _check_cell(cell, n_cells)
+    return _opdef.Checked(cell.device, cell.dtype, None, n_cells, "cell")
+
+
+def _sort_supports(c: _opdef.Checked) -> str | None:
+    if c.info > native.limit("sort_by_cell.max_cells"):
+        return f"{c.info} cells exceed the native limit of {native.limit('sort_by_cell.max_cells')}"
+    return None
+
+
+def _sort_forward(c: _opdef.Checked, cell, n_cells):
+    if cell.numel() == 0 or c.info == 0:
+        return CellSort(*(_empty_int32(cell.device) for _ in range(3)))
+    return _sort_native(cell, c.info)
+
+
+def _sort_fake(cell, n_cells):
+    ctx = torch.library.get_ctx()
+    n_kept, n_intervals = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    return (
+        cell.new_empty(n_kept, dtype=torch.int32),
+        cell.new_empty(n_intervals, dtype=torch.int32),
+        cell.new_empty(n_intervals, dtype=torch.int32),
+    )
+
+
+def _sort_samples(device: torch.device) -> list[_opdef.Sample]:
+    g = torch.Generator().manual_seed(0)
+    cell = torch.randint(-50, 1100, (20000,), generator=g)
+    return [
+        _opdef.Sample("int64 [20000], 1000 cells", (cell.to(device), 1000)),
+        _opdef.Sample("int32 [20000], 7 cells", (cell.int().to(device) % 9 - 1, 7)),
+        _opdef.Sample("empty", (cell[:0].to(device), 10)),
+    ]
+
+
+SORT = _opdef.define(
+    _opdef.OpDef(
         name=SORT_OP,
         family="bev",
-        api=sort_by_cell,
+        schema="(Tensor cell, int n_cells) -> (Tensor, Tensor, Tensor)",
+        check=_check_sort,
         reference=sort_by_cell_reference,
-        native_entry_points=("sort_by_cell_forward", "bev_pool_sort_workspace_ints"),
-        self_check_cases=_sort_self_check_cases,
-        dtypes=("int32", "int64"),
-        backward="no",
+        native=_sort_forward,
+        fake=_sort_fake,
+        supports=_sort_supports,
+        result=CellSort,
+        native_dtypes=_CELL_DTYPES,
+        entry_points=("sort_by_cell_forward", "bev_pool_sort_workspace_ints"),
+        samples=_sort_samples,
         public=False,
     )
 )
+
+
+@SORT.export
+def sort_by_cell(cell: torch.Tensor, n_cells: int, *, backend: str = "auto") -> CellSort:
+    """Stable, deterministic counting sort of `cell` (Tensor[n] int32 / int64) over [0, n_cells).
+
+    Entries outside [0, n_cells) are dropped. Returns CellSort(order, interval_starts,
+    interval_lengths), int32 1-D: `order` = the indices of the kept entries sorted by cell, ties
+    by ascending index; the intervals = the runs of equal cell in `order`. The primitive behind
+    bev_pool_prepare, bev_pool, bev_pool_v3 and bev_pool_v2's deterministic backward:
+    O(n + n_cells) time and memory, one host synchronisation (the output sizes depend on the data).
+    """
+    return SORT(cell, n_cells, backend=backend)

@@ -1,73 +1,46 @@
-"""`bev_pool_v2`: BEVDet's camera-to-BEV pooling ("voxel pooling v2"), drop-in for
-`mmdet3d.ops.bev_pool_v2.bev_pool.bev_pool_v2` as BEVDet / BEVDepth / FlashOCC call it.
+"""`bev_pool_v2`: BEVDet's camera-to-BEV pooling ("voxel pooling v2"). Formula, shapes and
+upstream compatibility: the public function's docstring; design and measured numbers:
+docs/operators/bev_pool_v2.md.
 
-    out[b, c, z, y, x] = sum over the points i of the interval whose cell is
-                         ((b*Z + z)*Y + y)*X + x  of  depth.flat[ranks_depth[i]] * feat.flat[ranks_feat[i]*C + c]
-    cells without an interval are 0.
-
-    depth             Tensor[B, N, D, H, W]  float32 / float16 / bfloat16 (float64: reference path);
-                      indexed flat, so any shape works; or None (weights 1)
-    feat              Tensor[B, N, H, W, C]  same dtype as depth, channels last (any shape [..., C])
-    ranks_depth       Tensor[n_points] int32 (None with depth=None)
-    ranks_feat        Tensor[n_points] int32, rows of feat viewed as [-1, C]
-    ranks_bev         Tensor[n_points] int32, flat cell of [B, Z, Y, X], sorted ascending
-    bev_feat_shape    (B, Z, Y, X, C)
-    interval_starts   Tensor[n_intervals] int32, interval_lengths Tensor[n_intervals] int32: the runs
-                      of equal ranks_bev (what `bev_pool_prepare` / BEVDet's
-                      `voxel_pooling_prepare_v2` return)
-    returns           Tensor[B, C, Z, Y, X] (channels first, contiguous) in feat's dtype
-
-Argument order is BEVDet's Python API (`interval_starts` before `interval_lengths`); BEVDet's C++
-binding takes the two interval arrays the other way round. `depth=None, ranks_depth=None` pools
-feat rows with weight 1 (BEVFusion's `bev_pool`, `bev_pool_v3` use it); grad is then for feat only.
-
-Precision: float32 accumulation in every dtype, output rounded once to the input dtype.
-
-Native path (docs/operators/bev_pool_v2.md has the design and the measured numbers):
-- forward: one kernel, deterministic (no atomics), every output element written (no memset),
-  load-balanced by points. The kernel sums the runs of equal ranks_bev, which is what the interval
-  arrays describe; it does not read them (so inconsistent intervals are not caught there:
-  `validate=True` checks them).
-- backward, default: grad_depth is one dot product per point (deterministic); grad_feat is
-  accumulated with float32 atomics (into a float32 buffer, cast once for float16 / bfloat16), so
-  its float32 rounding may differ between runs.
-- backward with `torch.use_deterministic_algorithms(True)`: grad_feat groups the points by
-  ranks_feat with `bev_pool_prepare.sort_by_cell` and sums each feat row in a fixed order: bit-
-  identical between runs, no atomics. The sort's output size depends on the data, so this mode
-  synchronises with the host once per backward (the default mode never does).
+Native path:
+- forward: a zero fill of the output, then one kernel, deterministic (no atomics), load-balanced
+  by points. It sums the runs of equal ranks_bev, which is what the interval arrays describe; it
+  does not read them (so inconsistent intervals are not caught there: `validate=True` checks
+  them).
+- backward, default: grad_depth and grad_feat are accumulated with float32 atomics into float32
+  buffers (cast once for float16 / bfloat16). A grad_depth element receives one add per point
+  that indexes it, so with unique ranks_depth (what `bev_pool_prepare` gives) it is exact and
+  identical between runs; grad_feat's float32 rounding may differ between runs.
+- backward under `torch.use_deterministic_algorithms(True)`: grad_depth from per-point dot
+  products summed by torch's deterministic index_add; grad_feat groups the points by ranks_feat
+  with `sort_by_cell` and sums each feat row in a fixed order, with no atomics. Bit-identical
+  between runs. The sort's output size depends on the data, so this mode synchronises with the
+  host once per backward (the default mode never does).
 - no host synchronisation in forward or default backward; kernels run on the caller's current
   stream (CUDA-graph capturable).
 
 Safety: an out-of-range or negative rank never reads or writes out of bounds (the kernels skip
 such points; out-of-range cells are dropped); unsorted ranks_bev gives unspecified values but
-stays in bounds. `validate=True` checks everything on the host first (one synchronisation) and
-raises IndexError naming the array and the first bad index (ValueError for unsorted ranks_bev or
-intervals that are not its runs).
-
-`bev_pool_v2_reference` is vectorised PyTorch (gather, multiply, `index_add`), follows the interval
-arrays exactly as BEVDet's kernel does, runs on CPU and GPU, in float64 too, and is the fallback.
+stays in bounds.
 """
 
 from __future__ import annotations
 
 import math
-import operator
 import os
 from collections.abc import Sequence
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
-from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
-from mu_space.runtime import kernel_dispatch, native, registry
+from mu_space.ops import _bev, _opdef
+from mu_space.ops._checks import check_tensor, dtype_name
+from mu_space.ops.bev_pool_prepare import sort_by_cell
+from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
-OP = "bev_pool_v2"
-BACKWARD_OP = "bev_pool_v2_backward"
 NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FLOAT_DTYPES = NATIVE_DTYPES + (torch.float64,)
-INT32_MAX = 2**31 - 1
-MAX_NATIVE_POINTS = 2**30  # the kernels' int32 point indices keep a margin
+FLOAT_DTYPES = (*NATIVE_DTYPES, torch.float64)
 ENTRY_POINTS = ("bev_pool_v2_forward", "bev_pool_v2_backward", "bev_pool_v2_backward_feat_sorted")
 
 # Profiling-only knob: points per block of the native kernels (0 = the launch policy's choice).
@@ -77,36 +50,7 @@ _POINTS_PER_BLOCK = int(os.environ.get("MUSPACE_BEV_POOL_V2_POINTS_PER_BLOCK", "
 # --------------------------------------------------------------------------- validation
 
 
-def _check_int32(
-    t, name: str, ref: torch.Tensor, n: int | None = None, n_of: str = "ranks_bev"
-) -> None:
-    check_tensor(t, name)
-    check_same_device(t, name, ref)
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {dtype_name(t.dtype)}")
-    if t.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got {t.dim()}-D")
-    if n is not None and t.shape[0] != n:
-        raise ValueError(f"{name} must have {n} entries (the length of {n_of}), got {t.shape[0]}")
-
-
-def _shape(bev_feat_shape) -> tuple[int, int, int, int, int]:
-    if isinstance(bev_feat_shape, torch.Tensor):
-        bev_feat_shape = bev_feat_shape.tolist()
-    try:
-        dims = tuple(operator.index(v) for v in bev_feat_shape)
-    except TypeError:
-        raise TypeError(
-            f"bev_feat_shape must be 5 ints (B, Z, Y, X, C), got {bev_feat_shape!r}"
-        ) from None
-    if len(dims) != 5:
-        raise ValueError(f"bev_feat_shape must be 5 ints (B, Z, Y, X, C), got {len(dims)} values")
-    if any(d < 0 for d in dims):
-        raise ValueError(f"bev_feat_shape must be non-negative, got {dims}")
-    return dims
-
-
-def _check(
+def _check_args(
     depth,
     feat,
     ranks_depth,
@@ -115,42 +59,35 @@ def _check(
     bev_feat_shape,
     interval_starts,
     interval_lengths,
-) -> tuple[int, int, int, int, int]:
-    """Argument checks (no host synchronisation); returns (B, Z, Y, X, C)."""
-    shape = _shape(bev_feat_shape)
+) -> _opdef.Checked:
+    """Argument checks (no host synchronisation); info = (the Grid (B, Z, Y, X, C), n_points)."""
+    grid = _bev.bev_feat_shape(bev_feat_shape)
+    _bev.check_cells_fit_int32(grid)
     check_tensor(feat, "feat")
     if feat.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"feat must be float32, float16, bfloat16 or float64, got {dtype_name(feat.dtype)}"
         )
-    if feat.dim() < 2 or feat.shape[-1] != shape[4]:
+    if feat.dim() < 2 or feat.shape[-1] != grid.C:
         raise ValueError(
-            f"feat must be [..., C] with C = bev_feat_shape[4] = {shape[4]}, got shape "
+            f"feat must be [..., C] with C = bev_feat_shape[4] = {grid.C}, got shape "
             f"{tuple(feat.shape)}"
         )
-    if (depth is None) != (ranks_depth is None):
-        raise ValueError(
-            "depth and ranks_depth must be given together (or both None), got "
-            f"depth={'None' if depth is None else 'Tensor'}, "
-            f"ranks_depth={'None' if ranks_depth is None else 'Tensor'}"
-        )
-    _check_int32(ranks_bev, "ranks_bev", feat)
+    _bev.check_depth_pair(depth, ranks_depth)
+    _bev.check_ranks(ranks_bev, "ranks_bev", feat)
     n = ranks_bev.shape[0]
-    _check_int32(ranks_feat, "ranks_feat", feat, n)
+    _bev.check_ranks(ranks_feat, "ranks_feat", feat, n)
     if depth is not None:
-        check_tensor(depth, "depth")
-        check_same_device(depth, "depth", feat)
-        if depth.dtype != feat.dtype:
-            raise TypeError(
-                f"depth must have the dtype of feat ({dtype_name(feat.dtype)}), got "
-                f"{dtype_name(depth.dtype)}"
-            )
-        _check_int32(ranks_depth, "ranks_depth", feat, n)
-    _check_int32(interval_starts, "interval_starts", feat)
-    _check_int32(
+        _bev.check_depth(depth, feat)
+        _bev.check_ranks(ranks_depth, "ranks_depth", feat, n)
+    _bev.check_ranks(interval_starts, "interval_starts", feat)
+    _bev.check_ranks(
         interval_lengths, "interval_lengths", feat, interval_starts.shape[0], n_of="interval_starts"
     )
-    return shape
+    B, Z, Y, X, C = grid
+    return _opdef.Checked(
+        feat.device, feat.dtype, (((B, C, Z, Y, X), feat.dtype),), (grid, n), "feat"
+    )
 
 
 def _first(mask: torch.Tensor) -> int | None:
@@ -158,38 +95,22 @@ def _first(mask: torch.Tensor) -> int | None:
     return int(idx[0, 0]) if idx.numel() else None
 
 
-def validate_inputs(
-    depth,
-    feat,
-    ranks_depth,
-    ranks_feat,
-    ranks_bev,
-    bev_feat_shape,
-    interval_starts,
-    interval_lengths,
-) -> None:
-    """Host-side checks of the index arrays (synchronises): IndexError naming the array and the
-    first bad index for out-of-range values; ValueError when ranks_bev is not sorted or the
-    intervals are not its runs."""
-    B, Z, Y, X, C = _check(
-        depth,
-        feat,
-        ranks_depth,
-        ranks_feat,
-        ranks_bev,
-        bev_feat_shape,
-        interval_starts,
-        interval_lengths,
-    )
-    n = ranks_bev.shape[0]
-    n_rows = feat.numel() // C if C else 0
-    checks = [("ranks_bev", ranks_bev, B * Z * Y * X), ("ranks_feat", ranks_feat, n_rows)]
+def _check_index_ranges(depth, feat, ranks_depth, ranks_feat, ranks_bev, grid) -> None:
+    checks = [
+        ("ranks_bev", ranks_bev, grid.n_cells),
+        ("ranks_feat", ranks_feat, _bev.feat_rows(feat)),
+    ]
     if depth is not None:
         checks.append(("ranks_depth", ranks_depth, depth.numel()))
     for name, t, hi in checks:
         i = _first((t < 0) | (t >= hi))
         if i is not None:
             raise IndexError(f"{name}[{i}] = {int(t[i])} is out of range [0, {hi})")
+
+
+def _check_runs(ranks_bev, interval_starts, interval_lengths) -> None:
+    """ValueError unless ranks_bev is sorted and the intervals are exactly its runs."""
+    n = ranks_bev.shape[0]
     starts, lengths = interval_starts.long(), interval_lengths.long()
     k = _first((starts < 0) | (starts >= n))
     if k is not None:
@@ -229,18 +150,60 @@ def validate_inputs(
         )
 
 
-def _native_unsupported(feat: torch.Tensor, shape, n_points: int) -> str | None:
-    if feat.dtype not in NATIVE_DTYPES:
-        return (
-            f"feat dtype {dtype_name(feat.dtype)} has no native kernel (float32, float16, bfloat16)"
-        )
-    B, Z, Y, X, C = shape
-    if B * Z * Y * X > INT32_MAX:
-        return f"B*Z*Y*X = {B * Z * Y * X} cells exceed the int32 range of ranks_bev"
-    if n_points > MAX_NATIVE_POINTS:
-        return f"{n_points} points exceed the native kernels' limit of {MAX_NATIVE_POINTS}"
-    if C > 2**20:
-        return f"C = {C} exceeds the native kernels' limit of {2**20} channels"
+def validate_inputs(
+    depth,
+    feat,
+    ranks_depth,
+    ranks_feat,
+    ranks_bev,
+    bev_feat_shape,
+    interval_starts,
+    interval_lengths,
+) -> None:
+    """Host-side checks of the index arrays (synchronises): IndexError naming the array and the
+    first bad index for out-of-range values; ValueError when ranks_bev is not sorted or the
+    intervals are not its runs."""
+    grid = _check_args(
+        depth,
+        feat,
+        ranks_depth,
+        ranks_feat,
+        ranks_bev,
+        bev_feat_shape,
+        interval_starts,
+        interval_lengths,
+    ).info[0]
+    _check_index_ranges(depth, feat, ranks_depth, ranks_feat, ranks_bev, grid)
+    _check_runs(ranks_bev, interval_starts, interval_lengths)
+
+
+def _precondition(
+    depth,
+    feat,
+    ranks_depth,
+    ranks_feat,
+    ranks_bev,
+    bev_feat_shape,
+    interval_starts,
+    interval_lengths,
+) -> str | None:
+    """The documented case of an unspecified (but in-bounds) result: ranks_bev unsorted or
+    intervals that are not its runs (the kernels follow the runs, the reference the intervals)."""
+    try:
+        _check_runs(ranks_bev, interval_starts, interval_lengths)
+    except (IndexError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def _supports(c: _opdef.Checked) -> str | None:
+    grid, n = c.info
+    if n > (limit := native.limit("bev_pool_v2.max_points")):
+        return f"{n} points exceed the native kernels' limit of {limit}"
+    if grid.C > (limit := native.limit("bev_pool_v2.max_channels")):
+        return f"C = {grid.C} exceeds the native kernels' limit of {limit} channels"
+    if grid.n_cells > (limit := native.limit("bev_pool_v2.max_cells")):
+        return f"B*Z*Y*X = {grid.n_cells} cells exceed the native kernels' limit of {limit}"
     return None
 
 
@@ -302,7 +265,7 @@ def bev_pool_v2_reference(
     outside [0, n_points) or empty, cells outside the grid, points with an out-of-range
     ranks_feat / ranks_depth. Accumulates in float32 (float64 for float64 inputs).
     """
-    shape = _check(
+    shape = _check_args(
         depth,
         feat,
         ranks_depth,
@@ -311,7 +274,7 @@ def bev_pool_v2_reference(
         bev_feat_shape,
         interval_starts,
         interval_lengths,
-    )
+    ).info[0]
     B, Z, Y, X, C = shape
     acc = torch.float64 if feat.dtype == torch.float64 else torch.float32
     p = _expand_points(
@@ -344,7 +307,7 @@ def bev_pool_v2_backward_reference(
     """(grad_depth or None, grad_feat) of `bev_pool_v2_reference`, computed directly (vectorised;
     float32 accumulation, float64 for float64 inputs):
     grad_feat[ranks_feat[i]] += w_i * g[cell_i],  grad_depth[ranks_depth[i]] += <g[cell_i], feat row>."""
-    shape = _check(
+    shape = _check_args(
         depth,
         feat,
         ranks_depth,
@@ -353,7 +316,7 @@ def bev_pool_v2_backward_reference(
         bev_feat_shape,
         interval_starts,
         interval_lengths,
-    )
+    ).info[0]
     B, Z, Y, X, C = shape
     acc = torch.float64 if feat.dtype == torch.float64 else torch.float32
     p = _expand_points(
@@ -386,61 +349,83 @@ def bev_pool_v2_backward_reference(
 # --------------------------------------------------------------------------- native
 
 
-def _forward_native(depth, feat, ranks_depth, ranks_feat, ranks_bev, shape) -> torch.Tensor:
-    B, Z, Y, X, C = shape
-    feat = feat.contiguous()  # documented: non-contiguous inputs cost one copy
+def _forward_native(c, depth, feat, ranks_depth, ranks_feat, ranks_bev, *_intervals):
+    B, Z, Y, X, C = c.info[0]
+    feat = feat.contiguous()  # a non-contiguous input costs one copy
     if depth is not None:
         depth = depth.contiguous()
-    out = torch.empty((B, C, Z, Y, X), dtype=feat.dtype, device=feat.device)
+    out = _opdef.new_output((B, C, Z, Y, X), feat.dtype, feat.device)
     native.function("bev_pool_v2_forward")(
         depth, feat, ranks_depth, ranks_feat, ranks_bev, out, _POINTS_PER_BLOCK, stream_handle(feat)
     )
     return out
 
 
+def _sum_point_dots(dots, ranks_depth, depth):
+    """grad_depth from per-point dot products: a point with an out-of-range rank adds nothing.
+    torch's index_add is deterministic under `torch.use_deterministic_algorithms(True)`."""
+    numel = depth.numel()
+    rd = ranks_depth.long()
+    target = torch.where((rd >= 0) & (rd < numel), rd, numel)
+    acc = torch.zeros(numel + 1, dtype=torch.float32, device=depth.device).index_add_(
+        0, target, dots
+    )
+    return acc[:numel].view(depth.shape).to(depth.dtype)
+
+
 def _backward_native(
-    grad_out,
-    depth,
-    feat,
-    ranks_depth,
-    ranks_feat,
-    ranks_bev,
-    need_depth: bool,
-    need_feat: bool,
-    deterministic: bool,
-    backend: str,
+    c, grad_out, depth, feat, ranks_depth, ranks_feat, ranks_bev, *_rest, needs, deterministic
 ):
+    need_depth = needs[0] and depth is not None
+    need_feat = needs[1]
+    if not need_depth and not need_feat:
+        return None, None
     grad_out = grad_out.to(feat.dtype).contiguous()
     feat = feat.contiguous()
     if depth is not None:
         depth = depth.contiguous()
     stream = stream_handle(feat)
-    need_depth = need_depth and depth is not None
-    grad_depth = (
-        torch.zeros_like(depth, memory_format=torch.contiguous_format) if need_depth else None
-    )
-    grad_feat = None
+    backward = native.function("bev_pool_v2_backward")
+    f32 = torch.float32
+    grad_depth = grad_feat = None
     if deterministic or not need_feat:
-        if need_depth:  # dot products only: deterministic in both modes
-            native.function("bev_pool_v2_backward")(
+        if need_depth and deterministic:
+            dots = torch.empty(ranks_bev.shape[0], dtype=f32, device=feat.device)
+            backward(
                 grad_out,
                 depth,
                 feat,
                 ranks_depth,
                 ranks_feat,
                 ranks_bev,
-                grad_depth,
+                None,
+                dots,
                 None,
                 _POINTS_PER_BLOCK,
                 stream,
             )
+            grad_depth = _sum_point_dots(dots, ranks_depth, depth)
+        elif need_depth:
+            acc = torch.zeros(depth.shape, dtype=f32, device=feat.device)
+            backward(
+                grad_out,
+                depth,
+                feat,
+                ranks_depth,
+                ranks_feat,
+                ranks_bev,
+                acc,
+                None,
+                None,
+                _POINTS_PER_BLOCK,
+                stream,
+            )
+            grad_depth = acc.to(depth.dtype)
         if need_feat:
-            from mu_space.ops.bev_pool_prepare import sort_by_cell
-
             C = feat.shape[-1]
             grad_rows = grad_out.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous()
-            order = sort_by_cell(ranks_feat, feat.numel() // C if C else 0, backend=backend).order
-            grad_feat = torch.empty_like(feat, memory_format=torch.contiguous_format)
+            order = sort_by_cell(ranks_feat, _bev.feat_rows(feat), backend="native").order
+            grad_feat = _opdef.new_output(feat.shape, feat.dtype, feat.device)
             native.function("bev_pool_v2_backward_feat_sorted")(
                 grad_rows,
                 depth,
@@ -453,287 +438,89 @@ def _backward_native(
                 stream,
             )
     else:
-        acc = torch.zeros(feat.shape, dtype=torch.float32, device=feat.device)
-        native.function("bev_pool_v2_backward")(
+        acc_feat = torch.zeros(feat.shape, dtype=f32, device=feat.device)
+        acc_depth = torch.zeros(depth.shape, dtype=f32, device=feat.device) if need_depth else None
+        backward(
             grad_out,
             depth,
             feat,
             ranks_depth,
             ranks_feat,
             ranks_bev,
-            grad_depth,
-            acc,
+            acc_depth,
+            None,
+            acc_feat,
             _POINTS_PER_BLOCK,
             stream,
         )
-        grad_feat = acc if feat.dtype == torch.float32 else acc.to(feat.dtype)
+        grad_feat = acc_feat.to(feat.dtype)
+        grad_depth = acc_depth.to(depth.dtype) if need_depth else None
     return grad_depth, grad_feat
 
 
-# --------------------------------------------------------------------------- implementations
+# --------------------------------------------------------------------------- definition
 
 
-def _forward(
-    depth,
-    feat,
-    ranks_depth,
-    ranks_feat,
-    ranks_bev,
-    bev_feat_shape,
-    interval_starts,
-    interval_lengths,
-    backend: str,
-) -> torch.Tensor:
-    shape = _check(
-        depth,
-        feat,
-        ranks_depth,
-        ranks_feat,
-        ranks_bev,
-        bev_feat_shape,
-        interval_starts,
-        interval_lengths,
+def _make_inputs(config, device, dtype=torch.float32, batch=None):
+    """bev_pool_v2 arguments from the realistic camera geometry of `config`."""
+    from mu_space.ops.bev_pool_prepare import bev_pool_prepare_reference
+    from mu_space.testing import bev_geometry
+
+    g = bev_geometry.make(config, batch=batch, dtype=dtype)
+    ranks = bev_pool_prepare_reference(
+        g["coor"], g["grid_lower_bound"], g["grid_interval"], g["grid_size"]
     )
-    unsupported = _native_unsupported(feat, shape, ranks_bev.shape[0])
-    if not kernel_dispatch.use_native(OP, backend, feat.device, unsupported):
-        return bev_pool_v2_reference(
-            depth,
-            feat,
-            ranks_depth,
-            ranks_feat,
-            ranks_bev,
-            shape,
-            interval_starts,
-            interval_lengths,
-        )
-    return _forward_native(depth, feat, ranks_depth, ranks_feat, ranks_bev, shape)
+    args = (g["depth"], g["feat"], *ranks.bev_pool_v2_args(g["bev_feat_shape"]))
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _backward(
-    grad_out,
-    depth,
-    feat,
-    ranks_depth,
-    ranks_feat,
-    ranks_bev,
-    bev_feat_shape,
-    interval_starts,
-    interval_lengths,
-    need_depth: bool,
-    need_feat: bool,
-    deterministic: bool,
-    backend: str,
-):
-    """(grad_depth, grad_feat); a grad not needed (or depth=None) is None."""
-    shape = _check(
-        depth,
-        feat,
-        ranks_depth,
-        ranks_feat,
-        ranks_bev,
-        bev_feat_shape,
-        interval_starts,
-        interval_lengths,
+def _samples(device: torch.device) -> list[_opdef.Sample]:
+    tiny = _make_inputs("tiny", device)
+    no_points = (tiny[0], tiny[1], *(t[:0] for t in tiny[2:5]), tiny[5], tiny[6][:0], tiny[7][:0])
+    return [
+        _opdef.Sample("tiny float32 (fwd + bwd)", tiny, grad=True),
+        _opdef.Sample("tiny B=2 float16", _make_inputs("tiny", device, torch.float16, 2)),
+        _opdef.Sample(
+            "tiny bfloat16 (fwd + bwd)", _make_inputs("tiny", device, torch.bfloat16), grad=True
+        ),
+        _opdef.Sample("tiny without depth", (None, tiny[1], None, *tiny[3:]), grad=True),
+        _opdef.Sample(
+            "bevdet-r50 float32 (fwd + bwd)", _make_inputs("bevdet-r50", device), grad=True
+        ),
+        _opdef.Sample("no points", no_points, grad=True),
+    ]
+
+
+OP = _opdef.define(
+    _opdef.OpDef(
+        name="bev_pool_v2",
+        family="bev",
+        schema="(Tensor? depth, Tensor feat, Tensor? ranks_depth, Tensor ranks_feat, "
+        "Tensor ranks_bev, int[] bev_feat_shape, Tensor interval_starts, "
+        "Tensor interval_lengths) -> Tensor",
+        check=_check_args,
+        reference=bev_pool_v2_reference,
+        native=_forward_native,
+        backward=_opdef.Backward(
+            inputs=("depth", "feat"),
+            reference=bev_pool_v2_backward_reference,
+            native=_backward_native,
+        ),
+        supports=_supports,
+        precondition=_precondition,
+        native_dtypes=NATIVE_DTYPES,
+        entry_points=ENTRY_POINTS,
+        samples=_samples,
+        upstream="BEVDet `bev_pool_v2`",
+        models="BEVDet, BEVDepth, FlashOCC",
+        patches=("bevdet.bev_pool_v2",),
+        recipes=("model_examples/BEVDet",),
+        doc="docs/operators/bev_pool_v2.md",
     )
-    need_depth = need_depth and depth is not None
-    unsupported = _native_unsupported(feat, shape, ranks_bev.shape[0])
-    if not kernel_dispatch.use_native(BACKWARD_OP, backend, feat.device, unsupported):
-        gd, gf = bev_pool_v2_backward_reference(
-            grad_out,
-            depth,
-            feat,
-            ranks_depth,
-            ranks_feat,
-            ranks_bev,
-            shape,
-            interval_starts,
-            interval_lengths,
-        )
-        return (gd if need_depth else None), (gf if need_feat else None)
-    if not need_depth and not need_feat:
-        return None, None
-    return _backward_native(
-        grad_out,
-        depth,
-        feat,
-        ranks_depth,
-        ranks_feat,
-        ranks_bev,
-        need_depth,
-        need_feat,
-        deterministic,
-        backend,
-    )
+)
 
 
-# --------------------------------------------------------------------------- custom ops
-
-
-@torch.library.custom_op("mu_space::bev_pool_v2", mutates_args=())
-def _bev_pool_v2_op(
-    depth: Optional[torch.Tensor],
-    feat: torch.Tensor,
-    ranks_depth: Optional[torch.Tensor],
-    ranks_feat: torch.Tensor,
-    ranks_bev: torch.Tensor,
-    bev_feat_shape: list[int],
-    interval_starts: torch.Tensor,
-    interval_lengths: torch.Tensor,
-    backend: str,
-) -> torch.Tensor:
-    return _forward(
-        depth,
-        feat,
-        ranks_depth,
-        ranks_feat,
-        ranks_bev,
-        bev_feat_shape,
-        interval_starts,
-        interval_lengths,
-        backend,
-    )
-
-
-@_bev_pool_v2_op.register_fake
-def _(
-    depth,
-    feat,
-    ranks_depth,
-    ranks_feat,
-    ranks_bev,
-    bev_feat_shape,
-    interval_starts,
-    interval_lengths,
-    backend,
-):
-    B, Z, Y, X, C = bev_feat_shape
-    return feat.new_empty((B, C, Z, Y, X))
-
-
-@torch.library.custom_op("mu_space::bev_pool_v2_backward", mutates_args=())
-def _bev_pool_v2_backward_op(
-    grad_out: torch.Tensor,
-    depth: Optional[torch.Tensor],
-    feat: torch.Tensor,
-    ranks_depth: Optional[torch.Tensor],
-    ranks_feat: torch.Tensor,
-    ranks_bev: torch.Tensor,
-    bev_feat_shape: list[int],
-    interval_starts: torch.Tensor,
-    interval_lengths: torch.Tensor,
-    need_depth: bool,
-    need_feat: bool,
-    deterministic: bool,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    gd, gf = _backward(
-        grad_out,
-        depth,
-        feat,
-        ranks_depth,
-        ranks_feat,
-        ranks_bev,
-        bev_feat_shape,
-        interval_starts,
-        interval_lengths,
-        need_depth,
-        need_feat,
-        deterministic,
-        backend,
-    )
-    # Custom ops cannot return None: a grad that is not needed comes back as an empty tensor.
-    return (
-        gd if gd is not None else feat.new_empty(0),
-        gf if gf is not None else feat.new_empty(0),
-    )
-
-
-@_bev_pool_v2_backward_op.register_fake
-def _(
-    grad_out,
-    depth,
-    feat,
-    ranks_depth,
-    ranks_feat,
-    ranks_bev,
-    bev_feat_shape,
-    interval_starts,
-    interval_lengths,
-    need_depth,
-    need_feat,
-    deterministic,
-    backend,
-):
-    gd = (
-        torch.empty_like(depth, memory_format=torch.contiguous_format)
-        if need_depth and depth is not None
-        else feat.new_empty(0)
-    )
-    gf = (
-        torch.empty_like(feat, memory_format=torch.contiguous_format)
-        if need_feat
-        else feat.new_empty(0)
-    )
-    return gd, gf
-
-
-def _setup_context(ctx, inputs, output):
-    (
-        depth,
-        feat,
-        ranks_depth,
-        ranks_feat,
-        ranks_bev,
-        bev_feat_shape,
-        interval_starts,
-        interval_lengths,
-        backend,
-    ) = inputs
-    ctx.save_for_backward(
-        depth, feat, ranks_depth, ranks_feat, ranks_bev, interval_starts, interval_lengths
-    )
-    ctx.bev_feat_shape = list(bev_feat_shape)
-    ctx.backend = backend
-
-
-def _autograd_backward(ctx, grad_out):
-    depth, feat, ranks_depth, ranks_feat, ranks_bev, starts, lengths = ctx.saved_tensors
-    need_depth = bool(ctx.needs_input_grad[0]) and depth is not None
-    need_feat = bool(ctx.needs_input_grad[1])
-    gd, gf = torch.ops.mu_space.bev_pool_v2_backward(
-        grad_out,
-        depth,
-        feat,
-        ranks_depth,
-        ranks_feat,
-        ranks_bev,
-        ctx.bev_feat_shape,
-        starts,
-        lengths,
-        need_depth,
-        need_feat,
-        torch.are_deterministic_algorithms_enabled(),
-        ctx.backend,
-    )
-    return (
-        gd if need_depth else None,
-        gf if need_feat else None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
-
-
-_bev_pool_v2_op.register_autograd(_autograd_backward, setup_context=_setup_context)
-
-
-# --------------------------------------------------------------------------- public API
-
-
+@OP.export
 def bev_pool_v2(
     depth: torch.Tensor | None,
     feat: torch.Tensor,
@@ -747,21 +534,40 @@ def bev_pool_v2(
     backend: str = "auto",
     validate: bool = False,
 ) -> torch.Tensor:
-    """BEVDet's `bev_pool_v2` (same arguments, same result); see the module docstring.
+    """BEVDet's `bev_pool_v2` (same arguments, same result): camera-to-BEV pooling, drop-in for
+    `mmdet3d.ops.bev_pool_v2.bev_pool.bev_pool_v2` as BEVDet / BEVDepth / FlashOCC call it.
+
+        out[b, c, z, y, x] = sum over the points i of the interval whose cell is
+                             ((b*Z + z)*Y + y)*X + x  of
+                             depth.flat[ranks_depth[i]] * feat.flat[ranks_feat[i]*C + c]
+        cells without an interval are 0.
 
     Args:
-        depth: Tensor[B, N, D, H, W] or None (weights 1).
-        feat: Tensor[B, N, H, W, C], channels last, depth's dtype.
-        ranks_depth, ranks_feat, ranks_bev: int32 [n_points], sorted by ranks_bev.
-        bev_feat_shape: (B, Z, Y, X, C).
-        interval_starts, interval_lengths: int32 [n_intervals], the runs of ranks_bev.
+        depth: Tensor[B, N, D, H, W] float32 / float16 / bfloat16 (float64: reference path),
+            indexed flat (any shape works); or None (weights 1, with ranks_depth=None).
+        feat: Tensor[B, N, H, W, C], channels last (any shape [..., C]), depth's dtype.
+        ranks_depth: Tensor[n_points] int32 (None with depth=None).
+        ranks_feat: Tensor[n_points] int32, rows of feat viewed as [-1, C].
+        ranks_bev: Tensor[n_points] int32, flat cell of [B, Z, Y, X], sorted ascending; the grid
+            must fit int32 (B*Z*Y*X <= 2**31 - 1).
+        bev_feat_shape: (B, Z, Y, X, C), 5 integers.
+        interval_starts, interval_lengths: Tensor[n_intervals] int32, the runs of equal ranks_bev
+            (what `bev_pool_prepare` / BEVDet's `voxel_pooling_prepare_v2` return).
         backend: "auto" | "native" | "cuda" | "musa" | "reference".
-        validate: check every index on the host first (one synchronisation); bad values raise
-            IndexError naming the array and the first bad index.
+        validate: check every index on the host first (one synchronisation): IndexError naming
+            the array and the first bad index, ValueError for unsorted ranks_bev or intervals
+            that are not its runs.
 
     Returns:
-        Tensor[B, C, Z, Y, X] in feat's dtype. Differentiable w.r.t. depth and feat.
+        Tensor[B, C, Z, Y, X] (channels first, contiguous) in feat's dtype; float32 accumulation
+        in every dtype, rounded once. Differentiable w.r.t. depth and feat.
+
+    Argument order is BEVDet's Python API (`interval_starts` before `interval_lengths`; BEVDet's
+    C++ binding takes them the other way round). Out-of-range ranks are dropped (never read or
+    written out of bounds); `validate=True` raises for them instead. Unsorted ranks_bev gives
+    unspecified values. Determinism and host synchronisation: the module docstring.
     """
+    shape = list(_bev.bev_feat_shape(bev_feat_shape))
     if validate and not torch.compiler.is_compiling():
         validate_inputs(
             depth,
@@ -769,90 +575,18 @@ def bev_pool_v2(
             ranks_depth,
             ranks_feat,
             ranks_bev,
-            bev_feat_shape,
+            shape,
             interval_starts,
             interval_lengths,
         )
-    needs_grad = torch.is_grad_enabled() and (
-        (isinstance(feat, torch.Tensor) and feat.requires_grad)
-        or (isinstance(depth, torch.Tensor) and depth.requires_grad)
-    )
-    if torch.compiler.is_compiling() or needs_grad:
-        return torch.ops.mu_space.bev_pool_v2(
-            depth,
-            feat,
-            ranks_depth,
-            ranks_feat,
-            ranks_bev,
-            list(_shape(bev_feat_shape)),
-            interval_starts,
-            interval_lengths,
-            backend,
-        )
-    return _forward(
+    return OP(
         depth,
         feat,
         ranks_depth,
         ranks_feat,
         ranks_bev,
-        bev_feat_shape,
+        shape,
         interval_starts,
         interval_lengths,
-        backend,
+        backend=backend,
     )
-
-
-# --------------------------------------------------------------------------- registry
-
-
-def _inputs(config, device, dtype=torch.float32, batch=None):
-    """bev_pool_v2 arguments from the realistic camera geometry of `config`."""
-    from mu_space.ops.bev_pool_prepare import bev_pool_prepare_reference
-    from mu_space.testing import bev_geometry
-
-    g = bev_geometry.make(config, batch=batch, dtype=dtype)
-    ranks = bev_pool_prepare_reference(
-        g["coor"], g["grid_lower_bound"], g["grid_interval"], g["grid_size"]
-    )
-    args = (g["depth"], g["feat"], *ranks.bev_pool_v2_args(g["bev_feat_shape"]))
-    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-
-
-def _self_check_cases(device: torch.device) -> list[registry.SelfCheckCase]:
-    # Float32 sums in a different order: ~1e-7 relative; grad_depth sums C = 64 products of
-    # O(1) values (|value| ~ 8), so 1e-5 + 1e-5 * |value| covers the reordering with margin.
-    # float16: one rounding of the output (2^-11 relative) on O(1) values.
-    return [
-        registry.SelfCheckCase(
-            "tiny float32 (fwd + bwd)", _inputs("tiny", device), atol=1e-5, rtol=1e-5, backward=True
-        ),
-        registry.SelfCheckCase(
-            "tiny B=2 float16", _inputs("tiny", device, torch.float16, 2), atol=2e-3, rtol=2e-3
-        ),
-        registry.SelfCheckCase(
-            "bevdet-r50 float32 (fwd + bwd)",
-            _inputs("bevdet-r50", device),
-            atol=1e-5,
-            rtol=1e-5,
-            backward=True,
-        ),
-    ]
-
-
-registry.register(
-    registry.OperatorSpec(
-        name=OP,
-        family="bev",
-        api=bev_pool_v2,
-        reference=bev_pool_v2_reference,
-        native_entry_points=ENTRY_POINTS,
-        self_check_cases=_self_check_cases,
-        dtypes=("float32", "float16", "bfloat16"),
-        backward="native",
-        upstream="BEVDet `bev_pool_v2`",
-        models="BEVDet, BEVDepth, FlashOCC",
-        patches=("bevdet.bev_pool_v2",),
-        recipes=("model_examples/BEVDet",),
-        doc="docs/operators/bev_pool_v2.md",
-    )
-)

@@ -1,4 +1,4 @@
-"""Backend choice and dispatch records (DESIGN.md §5).
+"""Backend choice and dispatch records (docs/architecture.md, "Dispatch").
 
     backend="auto"       native when the library is built for the tensors' device and the inputs
                          are supported; otherwise the reference path, with the reason recorded
@@ -8,7 +8,8 @@
 
 `MUSPACE_STRICT=1` (or `set_strict(True)`) turns every auto fallback into a DispatchError.
 Every call is counted per (op, backend, reason): `report()` prints the table, `reset()` clears
-it, `MUSPACE_DISPATCH_LOG=1` also logs each decision. Recording is one dict update.
+it, `MUSPACE_DISPATCH_LOG=1` (or `set_logging(True)`) also prints each decision to stderr through
+the `mu_space.dispatch` logger. Recording is one dict update.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ REFERENCE = "reference"
 _log = logging.getLogger("mu_space.dispatch")
 _counts: dict[tuple[str, str, str], int] = {}
 _strict = os.environ.get("MUSPACE_STRICT", "0") not in ("", "0")
-_log_enabled = os.environ.get("MUSPACE_DISPATCH_LOG", "0") not in ("", "0")
+_log_enabled = False
+_handler: logging.Handler | None = None
 
 
 class DispatchError(RuntimeError):
@@ -43,8 +45,17 @@ def is_strict() -> bool:
 
 
 def set_logging(enabled: bool) -> None:
-    global _log_enabled
+    """Log every decision at INFO to the `mu_space.dispatch` logger. Unless the application has
+    configured that logger (or the root logger) itself, a stderr handler is attached so the lines
+    are seen."""
+    global _log_enabled, _handler
     _log_enabled = bool(enabled)
+    if _log_enabled and _handler is None and not _log.handlers and not logging.getLogger().handlers:
+        _handler = logging.StreamHandler()
+        _handler.setFormatter(logging.Formatter("mu_space.dispatch: %(message)s"))
+        _log.addHandler(_handler)
+    if _log_enabled and _log.getEffectiveLevel() > logging.INFO:
+        _log.setLevel(logging.INFO)
 
 
 def record(op: str, backend: str, reason: str) -> None:
@@ -54,20 +65,25 @@ def record(op: str, backend: str, reason: str) -> None:
         _log.info("%s -> %s (%s)", op, backend, reason)
 
 
-def use_native(op: str, backend: str, device: torch.device, unsupported: str | None = None) -> bool:
+def use_native(op: str, backend: str, device: torch.device, unsupported=None) -> bool:
     """Decide native (True) or reference (False) for one call, and record the decision.
 
     `unsupported`: why these particular inputs cannot take the native path (e.g. a dtype the
-    kernel lacks), or None.
+    kernel lacks), or None; or a function returning that, asked only where the library runs.
     """
     if backend == REFERENCE:
-        record(op, REFERENCE, "requested")
+        _counts[op, REFERENCE, "requested"] = _counts.get((op, REFERENCE, "requested"), 0) + 1
+        if _log_enabled:
+            _log.info("%s -> %s (%s)", op, REFERENCE, "requested")
         return False
-    if backend not in BACKENDS:
-        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend in ("cuda", "musa") and device.type != backend:
-        raise DispatchError(f"{op}: backend={backend!r} needs {backend} tensors, got {device}")
-    reason = native.unavailable_reason(device) or unsupported
+    if backend != "auto":
+        if backend not in BACKENDS:
+            raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+        if backend != "native" and device.type != backend:
+            raise DispatchError(f"{op}: backend={backend!r} needs {backend} tensors, got {device}")
+    reason = native.unavailable_reason(device)
+    if reason is None and unsupported is not None:
+        reason = unsupported() if callable(unsupported) else unsupported
     if reason is None:
         record(op, device.type, "native")
         return True
@@ -91,7 +107,7 @@ def reset() -> None:
 
 
 def report() -> str:
-    """The dispatch records as a text table."""
+    """The dispatch records as a text table (a string: `print(kernel_dispatch.report())`)."""
     rows = records()
     if not rows:
         return "dispatch report: no operator calls recorded"
@@ -104,3 +120,7 @@ def report() -> str:
     ]
     lines.insert(1, "-" * len(lines[0]))
     return "dispatch report:\n" + "\n".join(lines)
+
+
+if os.environ.get("MUSPACE_DISPATCH_LOG", "0") not in ("", "0"):
+    set_logging(True)

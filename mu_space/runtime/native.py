@@ -42,6 +42,7 @@ _status: NativeStatus | None = None
 _module = None
 _functions: dict = {}
 _device_reasons: dict = {}
+_facts: tuple | None = None  # (the status it was read for, the facts)
 
 
 def library_path() -> Path:
@@ -129,6 +130,32 @@ def has_function(name: str) -> bool:
         return False
 
 
+def build_facts() -> dict:
+    """What the loaded library says about itself (`muspace_build_facts`): backend, warp_size,
+    bf16, musa_arch, compiler and `limits` ({"<op>.<name>": int}, each declared next to its
+    constant in the op's .mu). Empty when the library is not loaded or predates the facts."""
+    global _facts
+    st = status()
+    if _facts is None or _facts[0] is not st:
+        facts: dict = {}
+        if st.loaded and has_function("muspace_build_facts"):
+            facts = json.loads(str(function("muspace_build_facts")()))
+        _facts = (st, facts)
+    return _facts[1]
+
+
+def limit(key: str) -> int:
+    """A native limit ("bev_pool_v2.max_points") from the build facts. Only asked once the
+    library runs on the tensors' device; a library without it is older than this operator."""
+    try:
+        return int(build_facts()["limits"][key])
+    except KeyError:
+        raise NativeUnavailable(
+            f"the native library does not declare the limit {key!r} (rebuild it with "
+            "`python build_utils.py --inplace`)"
+        ) from None
+
+
 def _arch_reason(backend: str, archs: list[str], device: torch.device) -> str | None:
     if backend != "cuda" or not archs:
         return None
@@ -157,19 +184,18 @@ def _compute_reason(device: torch.device) -> str | None:
 
 def unavailable_reason(device: torch.device) -> str | None:
     """None when native kernels can run on `device`, else why not (cached per device)."""
-    key = (device.type, device.index)
     try:
-        return _device_reasons[key]
+        return _device_reasons[device]
     except KeyError:
         reason = _compute_reason(device)
-        _device_reasons[key] = reason
+        _device_reasons[device] = reason
         return reason
 
 
 def reset() -> None:
     """Forget the loaded state (tests use this after pointing MUSPACE_LIBRARY elsewhere)."""
-    global _status, _module
+    global _status, _module, _facts
     with _lock:
-        _status, _module = None, None
+        _status, _module, _facts = None, None, None
         _functions.clear()
         _device_reasons.clear()
