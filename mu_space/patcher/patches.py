@@ -150,8 +150,9 @@ def _msda_function(backend: str) -> Callable[[Any], Any]:
 
 class _LevelStarts:
     """value_level_start_index for mmcv's pytorch path (which takes no start index), computed
-    once per spatial-shapes tensor object and in-place version: the level metadata check of
-    `mu_space.multi_scale_deformable_attn` then runs once, not on every call."""
+    once per spatial-shapes tensor object and in-place version. A fresh start index per call
+    would cost a cumsum each time and, for GPU metadata, the op's validation (one host
+    synchronisation per new tensor object) on every call."""
 
     MAX_ENTRIES = 16
 
