@@ -7,7 +7,9 @@ import pkgutil as _pkgutil
 
 from mu_space.runtime import registry as _registry
 
-for _module in sorted(m.name for m in _pkgutil.iter_modules(__path__) if not m.name.startswith("_")):
+for _module in sorted(
+    m.name for m in _pkgutil.iter_modules(__path__) if not m.name.startswith("_")
+):
     _importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = sorted(op.api.__name__ for op in _registry.operators())

@@ -156,7 +156,6 @@ class Operator:
         # inputs that send a call through the custom op's autograd (composite ops differentiate
         # through their parts)
         self._autograd_index = () if d.composite else self.grad_index
-        self._traced_choice = None
         self.custom_op = None
         self.backward_op = None
         if not d.composite:
@@ -235,10 +234,8 @@ class Operator:
         ops in the graph that check their own sizes when they run."""
         c = self._check(*args)
         if torch.compiler.is_compiling():
-            if self._traced_choice is None:
-                self._traced_choice = torch.compiler.assume_constant_result(self._choose)
             dtype = _dtype_name(c.dtype) if c.dtype is not None else ""
-            use = self._traced_choice(backend, str(c.device), dtype, c.dtype_arg)
+            use = _traced_choice(self.name, backend, str(c.device), dtype, c.dtype_arg)
         else:
             use = kernel_dispatch.use_native(
                 self.name, backend, c.device, lambda: self.unsupported(c)
@@ -372,6 +369,22 @@ class Operator:
         if item == "d":
             raise AttributeError(item)
         return getattr(self.d, item)
+
+
+def _traced_choice(op: str, backend: str, device: str, dtype: str, dtype_arg: str) -> bool:
+    """A composite op's backend choice under torch.compile, made once at trace time."""
+    dt = getattr(torch, dtype) if dtype else None
+    return kernel_dispatch.use_native(
+        op,
+        backend,
+        torch.device(device),
+        lambda: registry.get(op)._capability_reason(dt, dtype_arg),
+    )
+
+
+# What torch.compiler.assume_constant_result sets; written here because calling it imports
+# torch._dynamo (~0.5 s at `import mu_space`).
+_traced_choice._dynamo_marked_constant = True
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

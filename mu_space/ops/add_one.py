@@ -55,6 +55,16 @@ OP = _opdef.define(
 
 @OP.export
 def add_one(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """`x + 1` for a floating `Tensor[...]`: float32 has a native kernel, other floating dtypes
-    run the reference (`x + 1`). The native build smoke, not a model operator."""
+    """The native build smoke (not a model operator): `out = x + 1`.
+
+    Args:
+        x: Tensor[...] of any shape, floating. float32 has a native kernel; other floating
+            dtypes run the reference (`x + 1`). A non-contiguous x costs one copy.
+        backend: "auto" | "native" | "cuda" | "musa" | "reference".
+
+    Returns:
+        Tensor of x's shape and dtype (contiguous on the native path). It runs the whole path an
+        operator takes: check, dispatch record, custom op under torch.compile, TVM-FFI call on
+        the caller's stream and device.
+    """
     return OP(x, backend=backend)

@@ -30,7 +30,7 @@ def _dtype_names(dtypes) -> str:
 
 
 def backward_kind(op) -> str:
-    """"native" (a native backward, or autograd through native parts), "reference" or "no"."""
+    """ "native" (a native backward, or autograd through native parts), "reference" or "no"."""
     if op.composite:
         return "native" if op.grad_inputs else "no"
     if op.backward is None:
@@ -70,4 +70,3 @@ def operator_matrix_markdown() -> str:
     if not operators(public_only=True):
         lines.append("| (none yet) | | | | | | | |")
     return "\n".join(lines) + "\n"
-

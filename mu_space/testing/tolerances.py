@@ -89,7 +89,12 @@ def _as_tuple(value) -> tuple:
 
 
 def assert_close(
-    got, want, tol: Tolerance | None = None, *, op: str | None = None, name: str = "out",
+    got,
+    want,
+    tol: Tolerance | None = None,
+    *,
+    op: str | None = None,
+    name: str = "out",
     equal_nan: bool = False,
 ) -> float:
     """Compare tensors (or tuples of tensors / None) element-wise; raise AssertionError naming
@@ -102,8 +107,9 @@ def assert_close(
         if g is None or w is None:
             assert g is None and w is None, f"{label}: {g!r} vs reference {w!r}"
             continue
-        worst = max(worst, _assert_tensor_close(g, w, tol or tolerance(op, w.dtype), label,
-                                                equal_nan))
+        worst = max(
+            worst, _assert_tensor_close(g, w, tol or tolerance(op, w.dtype), label, equal_nan)
+        )
     return worst
 
 
@@ -119,7 +125,8 @@ def _assert_tensor_close(g, w, tol: Tolerance, name: str, equal_nan: bool) -> fl
     if unexpected.any():
         first = tuple(int(i) for i in unexpected.nonzero()[0])
         raise AssertionError(
-            f"{name}: {int(unexpected.sum())} NaN elements (unwritten?), first at {first}")
+            f"{name}: {int(unexpected.sum())} NaN elements (unwritten?), first at {first}"
+        )
     missing = nan_w & ~nan_g
     if equal_nan and missing.any():
         first = tuple(int(i) for i in missing.nonzero()[0])
@@ -131,9 +138,12 @@ def _assert_tensor_close(g, w, tol: Tolerance, name: str, equal_nan: bool) -> fl
     bound = atol + rtol * torch.nan_to_num(wd.abs(), nan=0.0, posinf=0.0)
     bad = err > bound
     if bad.any():
-        idx = tuple(int(i) for i in torch.unravel_index((err - bound).flatten().argmax(), err.shape))
+        idx = tuple(
+            int(i) for i in torch.unravel_index((err - bound).flatten().argmax(), err.shape)
+        )
         raise AssertionError(
             f"{name}: {int(bad.sum())}/{err.numel()} elements out of tolerance (atol={atol:.3g}, "
             f"rtol={rtol:.3g}: {tol.reason}); worst at {idx}: got {gd[idx].item():.9g}, "
-            f"want {wd[idx].item():.9g}; max abs err {err.max().item():.3g}")
+            f"want {wd[idx].item():.9g}; max abs err {err.max().item():.3g}"
+        )
     return float(err.max().item())
