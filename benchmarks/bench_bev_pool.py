@@ -1,6 +1,6 @@
 """bev_pool (BEVFusion API) at the bevfusion-cam geometry: forward, backward, and a sweep over points.
 
-    python -m benchmarks.bench_bev_pool [--quick] [--cases REGEX] [--no-flush] [--no-write]
+    python -m benchmarks.bench_bev_pool [--quick | --smoke] [--cases REGEX] [--no-flush] [--no-write]
 
 Inputs are built the way BEVFusion's vtransform builds them (mu_space.testing.bev_pool_inputs):
 6 cameras, 32x88 feature maps, D = 118 depth bins, C = 80, a 360x360x1 grid of 0.3 m cells,
@@ -8,7 +8,7 @@ int64 coords (x, y, z, batch), points outside the grid filtered out (1.82 M poin
 
 Cases
 - bevfusion-cam-{forward,backward} in float32 and float16 (the issue-3 target: >= 50% of the
-  copy bandwidth measured in the same run; the verdict is printed and stored in the JSON);
+  copy bandwidth measured in the same run, TARGETS);
 - bevfusion-cam-cells / -sort: the two steps in front of the pooling kernel (coords -> flat
   cells in PyTorch; sort_by_cell), timed alone so a miss can be attributed;
 - sweep-n{N}: 10 k -> 5 M points, a random subset of a B = 3 bevfusion-cam batch (the 3 x 360 x
@@ -17,6 +17,7 @@ Cases
 Compulsory bytes. forward: feats (n*C) + coords (n*4 int64) + output (B*C*D*H*W);
 backward: grad_out (B*C*D*H*W) + one int32 cell per point + grad_feats (n*C).
 The reference is `bev_pool(..., backend="reference")` (PyTorch index_add) on the same GPU.
+--smoke: the same cases on the `tiny` rig (B = 3 for the sweep point).
 """
 
 from __future__ import annotations
@@ -26,32 +27,39 @@ import sys
 import torch
 
 from benchmarks import harness
-from benchmarks.harness import Case, common_argparser
+from benchmarks.harness import Case, Target
 from mu_space.ops.bev_pool import bev_pool
 from mu_space.ops.bev_pool_prepare import sort_by_cell
-from mu_space.ops.bev_pool_v3 import _coords_to_cells
 from mu_space.testing.bev_pool_inputs import bevfusion_inputs
 
 CONFIG = "bevfusion-cam"
+SMOKE_RIG = "tiny"  # the geometry --smoke builds the same cases on
 DTYPES = (torch.float32, torch.float16)
 SWEEP = (10_000, 30_000, 100_000, 300_000, 1_000_000, 3_000_000, 5_000_000)
-QUICK_SWEEP = (10_000, 1_000_000)
+SMOKE_SWEEP = (1_000,)
 SWEEP_BATCH = 3  # 3 x 1.82 M points available
-TARGET_PCT_OF_COPY = 50.0
-# Check tolerances (atol, rtol): the reference accumulates with float32 atomics in another order.
-CHECK_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 2e-3)}
+TARGETS = (
+    Target(
+        rf"{CONFIG}-(forward|backward)-float(32|16)",
+        "pct_of_copy_bw",
+        ">=",
+        50.0,
+        "issue 3",
+    ),
+)
 
 _inputs: dict = {}
 
 
-def inputs(batch: int, dtype: torch.dtype, n_points: int | None = None) -> dict:
-    """Cached bevfusion-cam inputs on the GPU (optionally a seeded random subset of points)."""
-    key = (batch, dtype, n_points)
+def inputs(batch: int, dtype: torch.dtype, n_points: int | None = None, rig: str = CONFIG) -> dict:
+    """Cached inputs of `rig` on the benchmark device (optionally a seeded random subset of
+    points)."""
+    key = (rig, batch, dtype, n_points)
     if key not in _inputs:
-        base_key = (batch, dtype, None)
+        base_key = (rig, batch, dtype, None)
         if base_key not in _inputs:
             _inputs[base_key] = bevfusion_inputs(
-                CONFIG, batch=batch, dtype=dtype, device=harness.default_device()
+                rig, batch=batch, dtype=dtype, device=harness.default_device()
             )
         a = _inputs[base_key]
         if n_points is not None:
@@ -78,12 +86,28 @@ def _out_elems(a) -> int:
     return B * a["feats"].shape[1] * D * H * W
 
 
-def _check(dtype):
-    return harness.close_check(*CHECK_TOL[dtype])
+def coords_to_cells(coords: torch.Tensor, dims: tuple, constants: tuple) -> torch.Tensor:
+    """Flat cells ((b*D + d)*H + h)*W + w of coords[n, 4] = (h, w, d, b) (-1 outside), int32:
+    the PyTorch step in front of the pooling kernel, written out as bev_pool runs it."""
+    lo, hi, strides = constants
+    clamped = torch.clamp(coords, min=lo, max=hi)
+    bad = (clamped != coords).any(dim=1)
+    return (clamped * strides).sum(dim=1, dtype=torch.int32).masked_fill_(bad, -1)
+
+
+def cell_constants(dims: tuple, dtype: torch.dtype, device) -> tuple:
+    """(lower bounds, upper bounds, strides) of the (h, w, d, b) columns, built once."""
+    B, D, H, W = dims
+    return (
+        torch.zeros(4, dtype=dtype, device=device),
+        torch.tensor([H - 1, W - 1, D - 1, B - 1], dtype=dtype, device=device),
+        torch.tensor([W, 1, H * W, D * H * W], dtype=dtype, device=device),
+    )
 
 
 def forward_case(name: str, a: dict, dtype: torch.dtype, params: dict) -> Case:
     dims = _dims(a)
+    be = harness.backend()
     n, C = a["feats"].shape
     es = a["feats"].element_size()
     return Case(
@@ -95,22 +119,22 @@ def forward_case(name: str, a: dict, dtype: torch.dtype, params: dict) -> Case:
         compulsory_bytes=n * C * es
         + a["coords"].numel() * a["coords"].element_size()
         + _out_elems(a) * es,
-        fn=lambda f, c: bev_pool(f, c, *dims, backend="native"),
+        fn=lambda f, c: bev_pool(f, c, *dims, backend=be),
         make_args=lambda: (a["feats"].clone(), a["coords"].clone()),
         reference=lambda f, c: bev_pool(f, c, *dims, backend="reference"),
-        check=_check(dtype),
     )
 
 
 def backward_case(name: str, a: dict, dtype: torch.dtype, params: dict) -> Case:
     dims = _dims(a)
+    be = harness.backend()
     n, C = a["feats"].shape
     es = a["feats"].element_size()
     grad = {}
 
     def make_args():
         feats = a["feats"].clone().requires_grad_(True)
-        out = bev_pool(feats, a["coords"], *dims, backend="native")
+        out = bev_pool(feats, a["coords"], *dims, backend=be)
         ref_feats = a["feats"].clone().requires_grad_(True)
         ref_out = bev_pool(ref_feats, a["coords"], *dims, backend="reference")
         if "g" not in grad:
@@ -133,7 +157,6 @@ def backward_case(name: str, a: dict, dtype: torch.dtype, params: dict) -> Case:
         fn=native_backward,
         make_args=make_args,
         reference=reference_backward,
-        check=_check(dtype),
     )
 
 
@@ -141,8 +164,10 @@ def step_cases(a: dict) -> list[Case]:
     """The steps in front of the pooling kernel, timed alone (diagnostics, unchecked)."""
     B, D, H, W = _dims(a)
     n = a["coords"].shape[0]
-    params = {"config": CONFIG, "n_points": n}
-    cells = _coords_to_cells(a["coords"], (B, D, H, W))
+    params = {"config": a["config"].name, "n_points": n}
+    constants = cell_constants((B, D, H, W), a["coords"].dtype, a["coords"].device)
+    cells = coords_to_cells(a["coords"], (B, D, H, W), constants)
+    be = harness.backend()
     return [
         Case(
             name=f"{CONFIG}-cells",
@@ -152,7 +177,7 @@ def step_cases(a: dict) -> list[Case]:
             params=params,
             compulsory_bytes=a["coords"].numel() * a["coords"].element_size()
             + n * cells.element_size(),
-            fn=lambda c: _coords_to_cells(c, (B, D, H, W)),
+            fn=lambda c: coords_to_cells(c, (B, D, H, W), constants),
             make_args=lambda: a["coords"].clone(),
         ),
         Case(
@@ -162,91 +187,38 @@ def step_cases(a: dict) -> list[Case]:
             dtype=cells.dtype,
             params={**params, "n_cells": B * D * H * W},
             compulsory_bytes=n * cells.element_size() + n * 4,
-            fn=lambda c: sort_by_cell(c, B * D * H * W, backend="native"),
+            fn=lambda c: sort_by_cell(c, B * D * H * W, backend=be),
             make_args=lambda: cells.clone(),
         ),
     ]
 
 
-def build_cases(quick: bool) -> list[Case]:
+def build_cases(args) -> list[Case]:
+    rig = SMOKE_RIG if args.smoke else CONFIG
     cases = []
     for dtype in DTYPES:
-        a = inputs(1, dtype)
+        a = inputs(1, dtype, rig=rig)
         n, C = a["feats"].shape
-        params = {"config": CONFIG, "n_points": n, "C": C, "grid": [a["B"], a["D"], a["H"], a["W"]]}
+        params = {"config": rig, "n_points": n, "C": C, "grid": [a["B"], a["D"], a["H"], a["W"]]}
         d = harness.dtype_name(dtype)
         cases.append(forward_case(f"{CONFIG}-forward-{d}", a, dtype, params))
         cases.append(backward_case(f"{CONFIG}-backward-{d}", a, dtype, params))
-    cases += step_cases(inputs(1, torch.float32))
-    for n_points in QUICK_SWEEP if quick else SWEEP:
-        for dtype in (torch.float32,) if quick else DTYPES:
-            a = inputs(SWEEP_BATCH, dtype, n_points)
-            params = {
-                "sweep": "n_points",
-                "n_points": n_points,
-                "config": f"{CONFIG} B={SWEEP_BATCH}",
-            }
-            cases.append(
-                forward_case(
-                    f"sweep-n{n_points}-forward-{harness.dtype_name(dtype)}", a, dtype, params
-                )
-            )
+    cases += step_cases(inputs(1, torch.float32, rig=rig))
+    if args.quick:
+        return cases
+    for n_points in SMOKE_SWEEP if args.smoke else SWEEP:
+        for dtype in DTYPES:
+            a = inputs(SWEEP_BATCH, dtype, n_points, rig=rig)
+            params = {"sweep": "n_points", "n_points": n_points, "config": f"{rig} B={SWEEP_BATCH}"}
+            d = harness.dtype_name(dtype)
+            cases.append(forward_case(f"sweep-n{n_points}-forward-{d}", a, dtype, params))
             if dtype == torch.float32:
                 cases.append(backward_case(f"sweep-n{n_points}-backward-float32", a, dtype, params))
     return cases
 
 
-def target_verdicts(records: list[dict]) -> list[dict]:
-    """Issue 3: bev_pool at bevfusion-cam >= 50% of the copy bandwidth, fp32 and fp16."""
-    out = []
-    for r in records:
-        if r["name"].startswith(f"{CONFIG}-forward") or r["name"].startswith(f"{CONFIG}-backward"):
-            pct = r.get("pct_of_copy_bw")
-            out.append(
-                {
-                    "case": r["name"],
-                    "pct_of_copy_bw": pct,
-                    "target_pct": TARGET_PCT_OF_COPY,
-                    "met": None if pct is None else pct >= TARGET_PCT_OF_COPY,
-                }
-            )
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = common_argparser(__doc__.splitlines()[0]).parse_args(argv)
-    device = harness.default_device()
-    if device.type != "cuda":
-        print("bench_bev_pool needs a CUDA GPU with the native library", file=sys.stderr)
-        return 1
-    nbytes = harness.copy_nbytes(args)
-    copy_bw = harness.measure_copy_bandwidth(device, nbytes)
-    records = harness.run_cases(build_cases(args.quick), args=args, copy_bw=copy_bw)
-    verdicts = target_verdicts(records)
-    if args.no_write:
-        harness.print_table(records)
-    else:
-        metadata = {
-            **harness.environment_metadata(),
-            "copy_bandwidth_bytes": nbytes,
-            "timing": harness.timing_settings(args),
-            "targets": verdicts,
-            "argv": {k: str(v) for k, v in vars(args).items()},
-        }
-        harness.write_results(
-            harness.result_stem("bev_pool", args),
-            records,
-            args.out or harness.RESULTS_ROOT / harness.gpu_slug(),
-            metadata,
-            copy_bw,
-        )
-    for v in verdicts:
-        pct = "-" if v["pct_of_copy_bw"] is None else f"{v['pct_of_copy_bw']:.1f}%"
-        state = {True: "MET", False: "MISSED", None: "NOT MEASURED"}[v["met"]]
-        print(
-            f"target {v['case']}: {pct} of copy bandwidth (target >= {TARGET_PCT_OF_COPY:.0f}%): {state}"
-        )
-    return harness.exit_status(records)
+    return harness.main("bev_pool", build_cases, argv, doc=__doc__, targets=TARGETS)
 
 
 if __name__ == "__main__":

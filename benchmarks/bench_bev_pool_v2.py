@@ -1,6 +1,6 @@
 """bev_pool_v2 (BEVDet API) at the BEVDet configs, forward and backward, plus a size sweep.
 
-    python -m benchmarks.bench_bev_pool_v2 [--quick] [--cases REGEX] [--no-flush] [--graph] [--no-write]
+    python -m benchmarks.bench_bev_pool_v2 [--quick | --smoke] [--cases REGEX] [--no-flush] [--graph] [--no-write]
 
 Configs (B = 1, 6 cameras, 16x44 features, 128x128x1 grid of 0.8 m cells, real frustum geometry
 from mu_space.testing.bev_geometry, ranks from the reference bev_pool_prepare, sorted):
@@ -9,8 +9,9 @@ float32, float16 and bfloat16.
 
 - forward: `bev_pool_v2(..., backend="native")` (one kernel; allocates the output).
 - backward: everything the default backward does (zeroed grad_depth and float32 grad_feat
-  buffers, the kernel, the cast for 16-bit dtypes): the op's backward implementation called
-  directly with a fixed grad_out. `-det` cases: the deterministic mode (adds
+  buffers, the kernel, the cast for 16-bit dtypes): `torch.autograd.grad` of the public call's
+  output w.r.t. depth and feat with a fixed grad_out (the forward runs outside the timing).
+  `-det` cases: the deterministic mode, under `torch.use_deterministic_algorithms(True)` (adds
   sort_by_cell(ranks_feat), which synchronises with the host once, a channels-last copy of
   grad_out and the sorted kernel).
 - prepare-forward: `bev_pool_prepare(coor, ...)` then `bev_pool_v2(depth, feat,
@@ -24,6 +25,11 @@ Compulsory bytes. forward: depth + feat + 3 int32 ranks per point + output (the 
 read the interval arrays). backward: grad_out + depth + feat + 3 int32 ranks per point +
 grad_depth + grad_feat. The reference is the vectorised PyTorch path (`backend="reference"`,
 gather + index_add; its backward computed directly, not through autograd).
+
+Targets (issue 3, TARGETS; docs/operators/bev_pool_v2.md): forward float32 <= 7.5 us and
+float16 <= 6 us, complete backward float32 <= 30 us, prepare + forward float32 <= 40 us, in each
+of the three configs.
+--smoke: the bevdet-r50 cases on the `tiny` rig and one small sweep point.
 """
 
 from __future__ import annotations
@@ -33,18 +39,28 @@ import sys
 import torch
 
 from benchmarks import harness
-from benchmarks.harness import Case, common_argparser
-from mu_space.ops.bev_pool_prepare import bev_pool_prepare_reference
+from benchmarks.harness import Case, Target
+from mu_space.ops.bev_pool_prepare import bev_pool_prepare, bev_pool_prepare_reference
+from mu_space.ops.bev_pool_v2 import bev_pool_v2, bev_pool_v2_backward_reference
 from mu_space.testing import bev_geometry
 
 CONFIGS = ("bevdet-r50", "bevdet-r50-d88", "bevdet-d118")
+SMOKE_CONFIGS = ("bevdet-r50",)
+SMOKE_RIG = "tiny"  # the geometry --smoke builds the bevdet-r50 cases on
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Check tolerances (atol, rtol): float32 sums in another order; 16-bit: one output rounding.
-CHECK_TOL = {
-    torch.float32: (1e-4, 1e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (1e-2, 1.6e-2),
-}
+_BEVDET = "bevdet-(r50|r50-d88|d118)"
+TARGETS = (
+    Target(rf"{_BEVDET}-forward-float32", "median_us", "<=", 7.5, "issue 3 (BEVDet: 73-76 us)"),
+    Target(rf"{_BEVDET}-forward-float16", "median_us", "<=", 6.0, "issue 3"),
+    Target(rf"{_BEVDET}-backward-float32", "median_us", "<=", 30.0, "issue 3 (BEVDet: 418-611 us)"),
+    Target(
+        rf"{_BEVDET}-prepare-forward-float32",
+        "median_us",
+        "<=",
+        40.0,
+        "issue 3 (BEVDet's prepare + kernel: ~1.5 ms)",
+    ),
+)
 # (cameras, depth step in metres, batch) of the sweep, on the bevdet-r50 rig.
 SWEEP = (
     (1, 3.0, 1),
@@ -56,13 +72,10 @@ SWEEP = (
     (6, 0.25, 4),
     (6, 0.25, 8),
 )
-QUICK_SWEEP = ((1, 3.0, 1), (6, 1.0, 1))
+SMOKE_SWEEP = ((1, 6.0, 1),)
+SMOKE_CHANNELS = 4  # of the smoke sweep point (its 128 x 128 grid stays)
 
 _cache: dict = {}
-
-
-def _module():
-    return sys.modules["mu_space.ops.bev_pool_v2"]
 
 
 def inputs(cfg, dtype: torch.dtype) -> tuple:
@@ -91,31 +104,29 @@ def geometry(cfg) -> dict:
     return _cache[key]
 
 
-def prepare_forward_case(cfg, dtype: torch.dtype) -> Case:
-    from mu_space.ops.bev_pool_prepare import bev_pool_prepare
-    from mu_space.ops.bev_pool_v2 import bev_pool_v2
-
+def prepare_forward_case(name: str, cfg, dtype: torch.dtype) -> Case:
     g = geometry(cfg)
     depth, feat = inputs(cfg, dtype)[:2]
     shape = g["bev_feat_shape"]
     grid = (g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
     B, Z, Y, X, C = shape
+    be = harness.backend()
 
     def native():
-        ranks = bev_pool_prepare(g["coor"], *grid, backend="native")
-        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend="native")
+        ranks = bev_pool_prepare(g["coor"], *grid, backend=be)
+        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend=be)
 
     def reference():
         ranks = bev_pool_prepare_reference(g["coor"], *grid)
         return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend="reference")
 
     return Case(
-        name=f"{cfg}-prepare-forward-{harness.dtype_name(dtype)}",
+        name=f"{name}-prepare-forward-{harness.dtype_name(dtype)}",
         op="bev_pool_v2",
         direction="forward",
         dtype=dtype,
         params={
-            "config": cfg,
+            "config": getattr(cfg, "name", cfg),
             "C": C,
             "bev_feat_shape": list(shape),
             "mode": "bev_pool_prepare + bev_pool_v2",
@@ -127,7 +138,16 @@ def prepare_forward_case(cfg, dtype: torch.dtype) -> Case:
         fn=native,
         make_args=lambda: (),
         reference=reference,
-        check=_check(dtype),
+    )
+
+
+def backward_args(args: tuple, grad_out: torch.Tensor, backend: str):
+    """make_args of a backward case: (out, (depth, feat) leaves, grad_out), through autograd."""
+    depth, feat, rd, rf, rb, shape, starts, lengths = args
+    return harness.backward_args(
+        lambda d, f: bev_pool_v2(d, f, rd, rf, rb, shape, starts, lengths, backend=backend),
+        (depth, feat),
+        grad_out,
     )
 
 
@@ -135,16 +155,9 @@ def _nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _check(dtype):
-    return harness.close_check(*CHECK_TOL[dtype])
-
-
 def cases_for(
     name: str, args: tuple, dtype: torch.dtype, params: dict, deterministic_backward: bool = True
 ) -> list[Case]:
-    from mu_space.ops.bev_pool_v2 import bev_pool_v2, bev_pool_v2_backward_reference
-
-    m = _module()
     depth, feat, rd, rf, rb, shape, starts, lengths = args
     B, Z, Y, X, C = shape
     es = feat.element_size()
@@ -162,11 +175,10 @@ def cases_for(
     in_bytes = _nbytes(depth) + _nbytes(feat)
     dt = harness.dtype_name(dtype)
     grad = torch.randn((B, C, Z, Y, X), device=feat.device).to(dtype)
+    be = harness.backend()
 
-    def backward(deterministic):
-        return lambda g: m._backward(
-            g, depth, feat, rd, rf, rb, shape, starts, lengths, True, True, deterministic, "native"
-        )
+    def reference_backward(out, leaves, g):
+        return bev_pool_v2_backward_reference(g, *args)
 
     cases = [
         Case(
@@ -176,10 +188,9 @@ def cases_for(
             dtype=dtype,
             params=params,
             compulsory_bytes=in_bytes + ranks_bytes + out_bytes,
-            fn=lambda: bev_pool_v2(*args, backend="native"),
+            fn=lambda: bev_pool_v2(*args, backend=be),
             make_args=lambda: (),
             reference=lambda: bev_pool_v2(*args, backend="reference"),
-            check=_check(dtype),
         ),
         Case(
             name=f"{name}-backward-{dt}",
@@ -188,10 +199,9 @@ def cases_for(
             dtype=dtype,
             params={**params, "mode": "default (float32 atomics for grad_feat)"},
             compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
-            fn=backward(False),
-            make_args=lambda: grad,
-            reference=lambda g: bev_pool_v2_backward_reference(g, *args),
-            check=_check(dtype),
+            fn=harness.autograd_backward,
+            make_args=backward_args(args, grad, be),
+            reference=reference_backward,
         ),
     ]
     if deterministic_backward:
@@ -206,40 +216,47 @@ def cases_for(
                     "mode": "deterministic (sort_by_cell + sorted kernel; 1 host sync)",
                 },
                 compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
-                fn=backward(True),
-                make_args=lambda: grad,
-                reference=lambda g: bev_pool_v2_backward_reference(g, *args),
-                check=_check(dtype),
+                fn=harness.deterministic(harness.autograd_backward),
+                make_args=backward_args(args, grad, be),
+                reference=reference_backward,
                 time_reference=False,
             )
         )
     return cases
 
 
-def sweep_config(cameras: int, step: float, batch: int) -> bev_geometry.BEVConfig:
+def sweep_config(
+    cameras: int, step: float, batch: int, channels: int | None = None
+) -> bev_geometry.BEVConfig:
     base = bev_geometry.CONFIGS["bevdet-r50"]
     return bev_geometry.BEVConfig(
         f"bevdet-r50-cam{cameras}-step{step:g}-b{batch}",
         batch=batch,
         cameras=cameras,
         depth=(1.0, 60.0, step),
-        channels=base.channels,
+        channels=channels or base.channels,
     )
 
 
-def build_cases(quick: bool, graph: bool = False) -> list[Case]:
+def build_cases(args) -> list[Case]:
     cases = []
-    for cfg in CONFIGS[:1] if quick else CONFIGS:
-        for dtype in (torch.float32,) if quick else DTYPES:
+    for name in SMOKE_CONFIGS if args.smoke else CONFIGS:
+        cfg = bev_geometry.CONFIGS[SMOKE_RIG] if args.smoke else name
+        for dtype in DTYPES:
             # the deterministic backward synchronises with the host: not graph-capturable
             cases += cases_for(
-                cfg, inputs(cfg, dtype), dtype, {"config": cfg}, deterministic_backward=not graph
+                name,
+                inputs(cfg, dtype),
+                dtype,
+                {"config": getattr(cfg, "name", cfg)},
+                deterministic_backward=not args.graph,
             )
-            if dtype != torch.bfloat16 and not graph:  # prepare reads one count back: no graph
-                cases.append(prepare_forward_case(cfg, dtype))
-    for cameras, step, batch in QUICK_SWEEP if quick else SWEEP:
-        cfg = sweep_config(cameras, step, batch)
-        args = inputs(cfg, torch.float32)
+            if dtype != torch.bfloat16 and not args.graph:  # prepare reads one count back
+                cases.append(prepare_forward_case(name, cfg, dtype))
+    if args.quick:
+        return cases
+    for cameras, step, batch in SMOKE_SWEEP if args.smoke else SWEEP:
+        cfg = sweep_config(cameras, step, batch, SMOKE_CHANNELS if args.smoke else None)
         params = {
             "sweep": "n_points",
             "config": cfg.name,
@@ -248,19 +265,17 @@ def build_cases(quick: bool, graph: bool = False) -> list[Case]:
             "batch": batch,
         }
         cases += cases_for(
-            f"sweep-{cfg.name}", args, torch.float32, params, deterministic_backward=False
+            f"sweep-{cfg.name}",
+            inputs(cfg, torch.float32),
+            torch.float32,
+            params,
+            deterministic_backward=False,
         )
     return cases
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = common_argparser(__doc__.splitlines()[0]).parse_args(argv)
-    if harness.default_device().type != "cuda":
-        print("bench_bev_pool_v2 needs a CUDA GPU with the native library", file=sys.stderr)
-        return 1
-    import mu_space.ops  # noqa: F401  (registers the op; _module() needs it loaded)
-
-    return harness.run_benchmark("bev_pool_v2", build_cases(args.quick, args.graph), args)
+    return harness.main("bev_pool_v2", build_cases, argv, doc=__doc__, targets=TARGETS)
 
 
 if __name__ == "__main__":

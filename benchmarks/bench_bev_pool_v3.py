@@ -1,6 +1,6 @@
 """bev_pool_v3 (DrivingSDK API: unsorted ranks, no intervals) at the BEVDet configs, shuffled ranks.
 
-    python -m benchmarks.bench_bev_pool_v3 [--quick] [--cases REGEX] [--no-flush] [--no-write]
+    python -m benchmarks.bench_bev_pool_v3 [--quick | --smoke] [--cases REGEX] [--no-flush] [--no-write]
 
 Configs (B = 1, 6 cameras, 16x44 features, 128x128x1 grid of 0.8 m cells, real frustum
 geometry; mu_space.testing.bev_pool_inputs.bevdet_ranks, then a random permutation of the
@@ -15,6 +15,7 @@ backward: grad_out + depth + feat + 3 int32 ranks per point + grad_depth + grad_
 The reference is `bev_pool_v3(..., backend="reference")` (PyTorch gather + index_add); the
 backward reference is autograd through it in float32 (for 16-bit inputs too: autograd through
 the 16-bit reference accumulates grad_feat in float16), cast to the input dtype.
+--smoke: the bevdet-r50 and v1 cases on the `tiny` rig.
 """
 
 from __future__ import annotations
@@ -24,20 +25,16 @@ import sys
 import torch
 
 from benchmarks import harness
-from benchmarks.harness import Case, common_argparser
+from benchmarks.harness import Case
 from mu_space.ops.bev_pool_v3 import bev_pool_v3
 from mu_space.testing.bev_pool_inputs import bevdet_ranks, bevfusion_inputs
 
 CONFIGS = ("bevdet-r50", "bevdet-r50-d88", "bevdet-d118")
+SMOKE_CONFIGS = ("bevdet-r50",)
+SMOKE_RIG = "tiny"  # the geometry --smoke builds the same cases on
 DTYPES = (torch.float32, torch.float16)
-# Check tolerances (atol, rtol): the reference accumulates with float32 atomics in another order.
-CHECK_TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (2e-3, 2e-3)}
 
 _inputs: dict = {}
-
-
-def _check(dtype):
-    return harness.close_check(*CHECK_TOL[dtype])
 
 
 def v2_inputs(cfg: str, dtype: torch.dtype) -> dict:
@@ -47,10 +44,10 @@ def v2_inputs(cfg: str, dtype: torch.dtype) -> dict:
     return _inputs[key]
 
 
-def v1_inputs(dtype: torch.dtype) -> dict:
-    key = ("v1", dtype)
+def v1_inputs(dtype: torch.dtype, rig: str = "bevfusion-cam") -> dict:
+    key = ("v1", rig, dtype)
     if key not in _inputs:
-        a = bevfusion_inputs("bevfusion-cam", dtype=dtype, device=harness.default_device())
+        a = bevfusion_inputs(rig, dtype=dtype, device=harness.default_device())
         g = torch.Generator().manual_seed(1)
         perm = torch.randperm(a["feats"].shape[0], generator=g).to(a["feats"].device)
         _inputs[key] = {
@@ -83,6 +80,8 @@ def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Cas
     out_bytes = _out_elems(shape) * es
     inputs_bytes = _nbytes(depth) + _nbytes(feat)
 
+    be = harness.backend()
+
     def clone(t):
         return None if t is None else t.clone()
 
@@ -93,10 +92,9 @@ def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Cas
         dtype=dtype,
         params=params,
         compulsory_bytes=inputs_bytes + ranks_bytes + out_bytes,
-        fn=lambda d, f: bev_pool_v3(d, f, rd, rf, rb, shape, backend="native"),
+        fn=lambda d, f: bev_pool_v3(d, f, rd, rf, rb, shape, backend=be),
         make_args=lambda: (clone(depth), feat.clone()),
         reference=lambda d, f: bev_pool_v3(d, f, rd, rf, rb, shape, backend="reference"),
-        check=_check(dtype),
     )
 
     grad = {}
@@ -107,7 +105,7 @@ def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Cas
 
     def make_args():
         d, f = leaves()
-        out = bev_pool_v3(d, f, rd, rf, rb, shape, backend="native")
+        out = bev_pool_v3(d, f, rd, rf, rb, shape, backend=be)
         # the reference backward runs in float32: autograd through the 16-bit reference would
         # accumulate grad_feat in float16 (index_add), several ulps off the float32 sums
         rd_, rf_ = leaves(torch.float32)
@@ -144,29 +142,28 @@ def _cases_for(name: str, a: dict, dtype: torch.dtype, params: dict) -> list[Cas
         fn=native_backward,
         make_args=make_args,
         reference=reference_backward,
-        check=_check(dtype),
     )
     return [forward, backward]
 
 
-def build_cases(quick: bool) -> list[Case]:
+def build_cases(args) -> list[Case]:
     cases = []
-    for cfg in CONFIGS[:1] if quick else CONFIGS:
-        for dtype in (torch.float32,) if quick else DTYPES:
-            a = v2_inputs(cfg, dtype)
+    for cfg in SMOKE_CONFIGS if args.smoke else CONFIGS:
+        for dtype in DTYPES:
+            a = v2_inputs(SMOKE_RIG if args.smoke else cfg, dtype)
             B, Z, Y, X, C = a["bev_feat_shape"]
             params = {
-                "config": cfg,
+                "config": SMOKE_RIG if args.smoke else cfg,
                 "n_points": int(a["ranks_bev"].shape[0]),
                 "C": C,
                 "depth_shape": list(a["depth"].shape),
                 "ranks": "shuffled",
             }
             cases += _cases_for(f"{cfg}-shuffled", a, dtype, params)
-    for dtype in (torch.float32,) if quick else DTYPES:
-        a = v1_inputs(dtype)
+    for dtype in DTYPES:
+        a = v1_inputs(dtype, SMOKE_RIG if args.smoke else "bevfusion-cam")
         params = {
-            "config": "bevfusion-cam",
+            "config": SMOKE_RIG if args.smoke else "bevfusion-cam",
             "mode": "v1 (2-D ranks_bev)",
             "n_points": int(a["ranks_bev"].shape[0]),
             "C": a["bev_feat_shape"][4],
@@ -176,11 +173,7 @@ def build_cases(quick: bool) -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = common_argparser(__doc__.splitlines()[0]).parse_args(argv)
-    if harness.default_device().type != "cuda":
-        print("bench_bev_pool_v3 needs a CUDA GPU with the native library", file=sys.stderr)
-        return 1
-    return harness.run_benchmark("bev_pool_v3", build_cases(args.quick), args)
+    return harness.main("bev_pool_v3", build_cases, argv, doc=__doc__)
 
 
 if __name__ == "__main__":

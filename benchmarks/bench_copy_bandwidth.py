@@ -1,10 +1,11 @@
 """Device-to-device copy bandwidth: the roofline every other benchmark quotes.
 
-    python -m benchmarks.bench_copy_bandwidth [--quick] [--out DIR]
+    python -m benchmarks.bench_copy_bandwidth [--quick | --smoke] [--out DIR]
 
 Times dst.copy_(src) at 64 MiB .. 4 GiB (bytes read + bytes written) and writes
 copy_bandwidth.json; "copy_bandwidth_gbps" in that file (and in every other results file) is
-the 2 GiB figure measured at the start of the run.
+the 2 GiB figure measured at the start of the run. The sizes are the benchmark, so --quick keeps
+them all (fewer reps only); --smoke copies 1 and 4 MiB.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import sys
 
 import torch
 
-from benchmarks.harness import Case, MiB, common_argparser, default_device, run_benchmark
+from benchmarks import harness
+from benchmarks.harness import Case, MiB
 
 SIZES_MIB = (64, 128, 256, 512, 1024, 2048, 4096)
-QUICK_SIZES_MIB = (64, 256)
+SMOKE_SIZES_MIB = (1, 4)
 
 
 def _copy(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -53,11 +55,13 @@ def copy_case(mib: int, device: torch.device) -> Case:
     )
 
 
+def build_cases(args) -> list[Case]:
+    device = harness.default_device()
+    return [copy_case(mib, device) for mib in (SMOKE_SIZES_MIB if args.smoke else SIZES_MIB)]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = common_argparser(__doc__.splitlines()[0]).parse_args(argv)
-    device = default_device()
-    cases = [copy_case(mib, device) for mib in (QUICK_SIZES_MIB if args.quick else SIZES_MIB)]
-    return run_benchmark("copy_bandwidth", cases, args)
+    return harness.main("copy_bandwidth", build_cases, argv, doc=__doc__, needs_native=False)
 
 
 if __name__ == "__main__":

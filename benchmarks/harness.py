@@ -1,15 +1,19 @@
 """Shared benchmark harness (the standard is docs/benchmark_standard.md).
 
-A benchmark script builds a list of `Case`s and calls `run_benchmark(name, cases, args)` with the
-namespace from `common_argparser`. Each case is checked against its reference on the same
-arguments, then timed on the GPU with CUDA events (cold L2 by default), and the results are
-written as JSON under `benchmarks/results/<gpu>/` together with the environment metadata and the
-copy bandwidth measured in the same run.
+A benchmark script declares a `build_cases(args)` function and its `Target`s; its `main` is one
+call, `harness.main("<bench>", build_cases, argv, doc=__doc__, targets=TARGETS)`. The harness
+parses the common options, decides once whether this machine can run the benchmark (a CUDA GPU
+with the native library; `--smoke` runs anywhere on tiny inputs), checks each case against its
+reference, times it on the GPU with CUDA events (cold L2 by default), evaluates the targets and
+writes the results as JSON under `benchmarks/results/<gpu>/` together with the environment
+metadata and the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
@@ -26,6 +30,9 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.targets import Target, format_line
+from benchmarks.targets import evaluate as evaluate_targets
+
 MiB = 1 << 20
 GiB = 1 << 30
 FLUSH_MIN_BYTES = 256 * MiB
@@ -33,6 +40,13 @@ MAX_ARG_SETS = 128
 SPACER_CYCLES = 1_000_000  # ~0.5 ms of GPU sleep at 2 GHz queued before each timed call
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# run mode -> (reps, warm-up calls, bytes of the copy-bandwidth measurement)
+RUN_MODES = {
+    "full": (100, 10, 2 * GiB),
+    "quick": (30, 5, 2 * GiB),  # model cases only (no size sweeps), fewer reps
+    "smoke": (3, 1, 16 * MiB),  # tiny inputs, anywhere (CPU too): does the script run?
+}
+EXIT_CANNOT_RUN = 1
 
 _clock = time.perf_counter  # module attribute so tests can substitute a fake clock
 _FLUSH_BUFFERS: dict[torch.device, torch.Tensor] = {}
@@ -210,6 +224,27 @@ def time_cpu(
     return summarize(samples, "cpu", n_arg_sets)
 
 
+def time_host(
+    fn: Callable, make_args: Callable[[], Any], *, calls: int, trials: int, warmup: int = 200
+) -> Timing:
+    """Host time per call: `calls` back-to-back calls of fn(*args), then one device sync, per
+    trial (mode "host"). For calls whose device work is shorter than their host work (the
+    queue never fills), so this is the Python / dispatch overhead in front of the kernel."""
+    args = _as_args(make_args())
+    sync = torch.cuda.synchronize if gpu_available() else (lambda: None)
+    for _ in range(warmup):
+        fn(*args)
+    sync()
+    samples = []
+    for _ in range(trials):
+        start = _clock()
+        for _ in range(calls):
+            fn(*args)
+        sync()
+        samples.append((_clock() - start) / calls * 1e6)
+    return summarize(samples, "host")
+
+
 def achieved_gbps(nbytes: int, median_us: float) -> float:
     """Decimal GB/s of moving nbytes in median_us microseconds."""
     return nbytes / median_us / 1e3
@@ -241,23 +276,27 @@ def measure_copy_bandwidth(
 # --------------------------------------------------------------------------- cases
 
 
-def _default_check(out: Any, ref: Any) -> None:
-    torch.testing.assert_close(out, ref)
+def close_check(op: str | None) -> Callable[[Any, Any], None]:
+    """A Case.check through the one tolerance table: `mu_space.testing.tolerances.assert_close`
+    with `tolerance(op, dtype)` of each result (tensors, or tuples of tensors / None, compared
+    element by element; integer results exactly)."""
+    from mu_space.testing import tolerances
 
+    def check(out: Any, ref: Any) -> None:
+        tolerances.assert_close(out, ref, op=op, name=op or "out")
 
-def close_check(atol: float, rtol: float) -> Callable[[Any, Any], None]:
-    """A Case.check: torch.testing.assert_close with these tolerances (tensors, or tuples of
-    tensors / None, compared element by element)."""
-    return lambda out, ref: torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    return check
 
 
 @dataclass
 class Case:
     """One timed configuration. fn(*make_args()) is the path under test.
 
-    compulsory_bytes counts each input read once and each output written once. When reference
-    is given, fn and reference run on the same arguments (fn first) and check(out, ref_out)
-    (default torch.testing.assert_close) must pass before the case is timed.
+    compulsory_bytes counts each input read once and each output written once (0: not a
+    bandwidth case). When reference is given, fn and reference run on the same arguments (fn
+    first) and check(out, ref_out) (default: close_check(op)) must pass before the case is
+    timed. timer(fn, make_args, settings) -> Timing replaces the harness's device timing (e.g.
+    `time_host` for host overhead); the reference is timed the same way.
     """
 
     name: str
@@ -271,10 +310,53 @@ class Case:
     reference: Callable | None = None
     check: Callable[[Any, Any], None] | None = None
     time_reference: bool = True
+    timer: Callable[[Callable, Callable, dict], Timing] | None = None
 
     def __post_init__(self):
         if self.check is not None and self.reference is None:
             raise ValueError(f"case {self.name!r}: check given without a reference")
+
+
+def backward_args(
+    forward: Callable[..., Any], inputs: tuple, grad_out: torch.Tensor
+) -> Callable[[], tuple]:
+    """make_args of a backward case timed through the public API's autograd: leaves (detached
+    views of `inputs`, the tensors to differentiate) and out = forward(*leaves), built outside
+    the timed region; pair it with fn=autograd_backward (or deterministic(autograd_backward))."""
+
+    def make_args():
+        leaves = tuple(t.detach().requires_grad_(True) for t in inputs)
+        return forward(*leaves), leaves, grad_out
+
+    return make_args
+
+
+def autograd_backward(out: torch.Tensor, leaves: tuple, grad_out: torch.Tensor) -> tuple:
+    """Every gradient of out w.r.t. leaves; the graph is kept for the next repetition."""
+    return torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) inside, the previous setting restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def deterministic(fn: Callable) -> Callable:
+    """fn called under deterministic_algorithms() (the public way to ask an op for its
+    deterministic path)."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        with deterministic_algorithms():
+            return fn(*args)
+
+    return call
 
 
 def dtype_name(dtype: Any) -> str:
@@ -291,23 +373,50 @@ def check_case(case: Case) -> bool:
     if case.reference is None:
         return False
     ref = case.reference(*args)
-    (case.check or _default_check)(out, ref)
+    (case.check or close_check(case.op))(out, ref)
     return True
 
 
+def run_mode(args: argparse.Namespace) -> str:
+    """The run mode: "smoke", "quick" or "full" (see RUN_MODES)."""
+    if getattr(args, "smoke", False):
+        return "smoke"
+    return "quick" if args.quick else "full"
+
+
 def timing_settings(args: argparse.Namespace) -> dict:
-    reps, warmup = args.reps, args.warmup
-    if args.quick:
-        reps, warmup = min(reps, 10), min(warmup, 2)
-    return {"reps": reps, "warmup": warmup, "flush": not args.no_flush, "graph": args.graph}
+    """reps and warm-up of the run mode unless given explicitly, flush and graph flags."""
+    reps, warmup, _ = RUN_MODES[run_mode(args)]
+    return {
+        "reps": reps if args.reps is None else args.reps,
+        "warmup": warmup if args.warmup is None else args.warmup,
+        "flush": not args.no_flush,
+        "graph": args.graph,
+    }
 
 
-def _on_gpu() -> bool:
+def gpu_available() -> bool:
+    """The one place that decides whether this run has a CUDA GPU (tests substitute it)."""
     return torch.cuda.is_available()
 
 
-def _time(fn: Callable, make_args: Callable, settings: dict) -> Timing:
-    if _on_gpu():
+def native_available() -> bool:
+    """A CUDA GPU with the native library built for it."""
+    from mu_space.runtime import native
+
+    return gpu_available() and native.unavailable_reason(default_device()) is None
+
+
+def backend() -> str:
+    """The backend the benchmarked calls ask for: "native" where the native library runs;
+    elsewhere (a smoke run on a CPU) "auto", i.e. the reference path."""
+    return "native" if native_available() else "auto"
+
+
+def _time(fn: Callable, make_args: Callable, settings: dict, timer=None) -> Timing:
+    if timer is not None:
+        return timer(fn, make_args, settings)
+    if gpu_available():
         return time_gpu(fn, make_args, **settings)
     return time_cpu(fn, make_args, reps=settings["reps"], warmup=settings["warmup"])
 
@@ -340,7 +449,7 @@ def _empty_record(case: Case) -> dict:
 
 def _time_reference(case: Case, settings: dict, record: dict) -> None:
     try:
-        ref = _time(case.reference, case.make_args, settings)
+        ref = _time(case.reference, case.make_args, settings, case.timer)
     except Exception as exc:  # the reference may not support this mode (e.g. graph capture)
         record["reference_error"] = f"{type(exc).__name__}: {exc}"
         return
@@ -357,13 +466,14 @@ def run_case(case: Case, settings: dict, copy_bw: float | None) -> dict:
         record["error"] = f"check failed: {type(exc).__name__}: {exc}"
         return record
     try:
-        timing = _time(case.fn, case.make_args, settings)
+        timing = _time(case.fn, case.make_args, settings, case.timer)
     except Exception as exc:
         record["error"] = f"timing failed: {type(exc).__name__}: {exc}"
         return record
     record.update(asdict(timing), status="ok")
-    record["gbps"] = achieved_gbps(case.compulsory_bytes, timing.median_us)
-    record["pct_of_copy_bw"] = pct_of_copy(record["gbps"], copy_bw)
+    if case.compulsory_bytes:
+        record["gbps"] = achieved_gbps(case.compulsory_bytes, timing.median_us)
+        record["pct_of_copy_bw"] = pct_of_copy(record["gbps"], copy_bw)
     if case.reference is not None and case.time_reference:
         _time_reference(case, settings, record)
     return record
@@ -407,13 +517,13 @@ def exit_status(records: list[dict]) -> int:
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
+    if gpu_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def copy_nbytes(args: argparse.Namespace) -> int:
-    return 256 * MiB if args.quick else 2 * GiB
+    return RUN_MODES[run_mode(args)][2]
 
 
 def gpu_slug(name: str | None = None) -> str:
@@ -489,19 +599,33 @@ def environment_metadata() -> dict:
 
 def common_argparser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--reps", type=int, default=100, help="timed repetitions (default 100)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed warm-up calls")
+    parser.add_argument(
+        "--reps", type=int, help="timed repetitions (default 100; --quick 30, --smoke 3)"
+    )
+    parser.add_argument(
+        "--warmup", type=int, help="untimed warm-up calls (default 10; --quick 5, --smoke 1)"
+    )
     parser.add_argument(
         "--no-flush", action="store_true", help="do not flush L2 before each rep (labelled warm-l2)"
     )
     parser.add_argument("--graph", action="store_true", help="time CUDA graph replays")
-    parser.add_argument("--quick", action="store_true", help="few cases and reps (smoke run)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="model cases only (no size sweeps), 30 reps; writes <bench>.quick.json",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny inputs, 3 reps, runs without a GPU too (the reference path); writes nothing "
+        "unless --out",
+    )
     parser.add_argument("--cases", metavar="REGEX", help="only cases whose name matches")
     parser.add_argument(
         "--out",
         metavar="DIR",
         type=Path,
-        help="results directory (default benchmarks/results/<gpu>/)",
+        help="results directory (default benchmarks/results/<gpu>/; none for --smoke)",
     )
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     return parser
@@ -511,8 +635,38 @@ def result_stem(bench_name: str, args: argparse.Namespace) -> str:
     """bench_name for the headline cold-L2 run; labelled variants get a suffix."""
     settings = timing_settings(args)
     mode = "graph" if settings["graph"] else ("cold-l2" if settings["flush"] else "warm-l2")
-    parts = [bench_name] + ([mode] if mode != "cold-l2" else []) + (["quick"] if args.quick else [])
+    size = run_mode(args)
+    parts = (
+        [bench_name] + ([mode] if mode != "cold-l2" else []) + ([size] if size != "full" else [])
+    )
     return ".".join(parts)
+
+
+def output_dir(args: argparse.Namespace) -> Path | None:
+    """Where the JSON goes: --out; else benchmarks/results/<gpu>/ for a GPU run that is not a
+    smoke run; else nowhere (a CPU run never writes into the source tree by default)."""
+    if args.no_write:
+        return None
+    if args.out is not None:
+        return Path(args.out)
+    if run_mode(args) == "smoke" or not gpu_available():
+        return None
+    return RESULTS_ROOT / gpu_slug()
+
+
+def cannot_run(args: argparse.Namespace, needs_native: bool = True) -> str | None:
+    """Why this machine cannot run the benchmark (None: it can). A smoke run runs anywhere."""
+    if run_mode(args) == "smoke":
+        return None
+    if not gpu_available():
+        return "needs a CUDA GPU (torch.cuda.is_available() is False)"
+    if needs_native:
+        from mu_space.runtime import native
+
+        reason = native.unavailable_reason(default_device())
+        if reason is not None:
+            return f"needs the native library on the GPU: {reason}"
+    return None
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -555,8 +709,18 @@ def print_table(records: list[dict]) -> None:
     print(format_table(records))
 
 
+def print_verdicts(verdicts: list[dict]) -> None:
+    for v in verdicts:
+        print(format_line(v))
+
+
 def write_results(
-    bench_name: str, records: list[dict], out_dir: Path | str, metadata: dict, copy_bw: float | None
+    bench_name: str,
+    records: list[dict],
+    out_dir: Path | str,
+    metadata: dict,
+    copy_bw: float | None,
+    targets: list[dict] | None = None,
 ) -> Path:
     """Write <out_dir>/<bench_name>.json and print the table; returns the file path."""
     out_dir = Path(out_dir)
@@ -567,6 +731,7 @@ def write_results(
         "metadata": metadata,
         "copy_bandwidth_gbps": copy_bw,
         "results": records,
+        "targets": targets or [],
     }
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print_table(records)
@@ -574,28 +739,71 @@ def write_results(
     return path
 
 
-def run_benchmark(bench_name: str, cases: list[Case], args: argparse.Namespace) -> int:
-    """Measure copy bandwidth, run the cases, write (or print) results; returns the exit status."""
+def run_benchmark(
+    bench_name: str,
+    cases: list[Case] | Callable[[argparse.Namespace], list[Case]],
+    args: argparse.Namespace,
+    *,
+    targets: tuple[Target, ...] | list[Target] = (),
+    needs_native: bool = True,
+) -> int:
+    """The one runner: refuse promptly where the benchmark cannot run, build the cases (a list,
+    or build_cases(args)), measure copy bandwidth, check and time the cases, evaluate the
+    targets, print the table and verdicts, write the JSON; returns the exit status."""
+    reason = cannot_run(args, needs_native)
+    if reason is not None:
+        print(
+            f"bench_{bench_name}: {reason}; `python -m benchmarks.bench_{bench_name} --smoke` "
+            "runs a quick smoke run on tiny inputs instead (writes nothing unless --out)",
+            file=sys.stderr,
+        )
+        return EXIT_CANNOT_RUN
+    if run_mode(args) == "smoke":
+        print(
+            f"bench_{bench_name}: smoke run on {default_device()} with tiny inputs "
+            f"(backend {backend()!r}): the timings are not measurements",
+            file=sys.stderr,
+        )
+    if callable(cases):
+        cases = cases(args)
     nbytes = copy_nbytes(args)
     copy_bw = measure_copy_bandwidth(default_device(), nbytes)
     records = run_cases(cases, args=args, copy_bw=copy_bw)
-    if args.no_write:
+    verdicts = evaluate_targets(records, targets)
+    out_dir = output_dir(args)
+    if out_dir is None:
         print_table(records)
     else:
         metadata = {
             **environment_metadata(),
             "copy_bandwidth_bytes": nbytes,
             "timing": timing_settings(args),
+            "run_mode": run_mode(args),
             "argv": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         }
-        write_results(
-            result_stem(bench_name, args),
-            records,
-            args.out or RESULTS_ROOT / gpu_slug(),
-            metadata,
-            copy_bw,
-        )
+        write_results(result_stem(bench_name, args), records, out_dir, metadata, copy_bw, verdicts)
+    print_verdicts(verdicts)
     failed = [r["name"] for r in records if r["status"] != "ok"]
     if failed:
         print(f"{len(failed)} case(s) failed: {', '.join(failed)}", file=sys.stderr)
     return exit_status(records)
+
+
+def main(
+    bench_name: str,
+    build_cases: Callable[[argparse.Namespace], list[Case]],
+    argv: list[str] | None = None,
+    *,
+    doc: str | None = None,
+    targets: tuple[Target, ...] | list[Target] = (),
+    needs_native: bool = True,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
+    """A benchmark script's whole main: the common options (plus the script's own, added by
+    add_arguments), then run_benchmark."""
+    description = (doc or bench_name).strip().splitlines()[0]
+    parser = common_argparser(description)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_benchmark(bench_name, build_cases, args, targets=targets, needs_native=needs_native)

@@ -4,7 +4,8 @@
         python3 -m benchmarks.profile_kernels [--only REGEX]
 
 Workloads (realistic inputs, as in the benchmarks): bev_pool_v2 forward (bevdet-r50 float32 /
-float16, bevdet-r50-d88 float32) and default backward (bevdet-r50 float32), bev_pool_prepare
+float16, bevdet-r50-d88 float32) and default backward (bevdet-r50 float32; backwards run through
+autograd on a graph built before the range), bev_pool_prepare
 (bevdet-r50), bev_pool (bevfusion-cam float32), multi_scale_deformable_attn forward and backward
 (deformable-detr and bevformer-base-tsa, float32). Each is warmed up first, so only the timed
 call's kernels fall inside the range. ncu flushes caches between kernel replays by default
@@ -21,15 +22,13 @@ import torch
 
 
 def workloads():
-    from benchmarks import bench_bev_pool_v2
+    from benchmarks import bench_bev_pool_v2, harness
     from mu_space.ops.bev_pool import bev_pool
     from mu_space.ops.bev_pool_prepare import bev_pool_prepare
     from mu_space.ops.bev_pool_v2 import bev_pool_v2
-    from mu_space.ops.multi_scale_deformable_attn import _backward as msda_backward
     from mu_space.ops.multi_scale_deformable_attn import multi_scale_deformable_attn
     from mu_space.testing import bev_geometry, bev_pool_inputs, msda_inputs
 
-    v2_mod = sys.modules["mu_space.ops.bev_pool_v2"]  # the package re-exports the function
     dev = torch.device("cuda")
     for cfg, dtype in (
         ("bevdet-r50", torch.float32),
@@ -41,10 +40,8 @@ def workloads():
     args = bench_bev_pool_v2.inputs("bevdet-r50", torch.float32)
     B, Z, Y, X, C = args[5]
     grad = torch.randn((B, C, Z, Y, X), device=dev)
-    yield (
-        "bev_pool_v2-bwd-bevdet-r50-float32",
-        lambda: v2_mod._backward(grad, *args, True, True, False, "native"),
-    )
+    graph = bench_bev_pool_v2.backward_args(args, grad, "native")()
+    yield "bev_pool_v2-bwd-bevdet-r50-float32", lambda: harness.autograd_backward(*graph)
     g = bev_geometry.make("bevdet-r50")
     coor = g["coor"].to(dev)
     yield (
@@ -60,10 +57,14 @@ def workloads():
     )
     for cfg in ("deformable-detr", "bevformer-base-tsa"):
         m = msda_inputs.args(msda_inputs.make(cfg, device=dev))
-        out = multi_scale_deformable_attn(*m)
-        go = torch.randn_like(out)
+        value, shapes, starts, loc, attn = m
+        graph = harness.backward_args(
+            lambda v, l, a, s=shapes, i=starts: multi_scale_deformable_attn(v, s, i, l, a),
+            (value, loc, attn),
+            torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], device=dev),
+        )()
         yield f"msda-fwd-{cfg}", lambda m=m: multi_scale_deformable_attn(*m)
-        yield f"msda-bwd-{cfg}", lambda m=m, go=go: msda_backward(go, *m, "native")
+        yield f"msda-bwd-{cfg}", lambda g=graph: harness.autograd_backward(*g)
 
 
 def main(argv=None) -> int:

@@ -1,15 +1,32 @@
-"""CPU tests of the benchmark harness (benchmarks/harness.py, benchmarks/plot.py)."""
+"""CPU tests of the benchmark harness (benchmarks/harness.py, targets.py, report.py, plot.py,
+compare.py), and every benchmark script's smoke run on the CPU."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import harness
-from benchmarks.harness import Case
+from benchmarks import compare, harness, report
+from benchmarks.harness import Case, Target
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHES = (
+    "copy_bandwidth",
+    "overhead",
+    "bev_pool_v2",
+    "bev_pool_prepare",
+    "bev_pool",
+    "bev_pool_v3",
+    "multi_scale_deformable_attn",
+)
 
 
 class FakeClock:
@@ -26,9 +43,10 @@ class FakeClock:
 
 
 @pytest.fixture(autouse=True)
-def cpu_timing(monkeypatch):
-    """Time on the CPU even where a GPU exists, so the fake clock and call counts apply."""
-    monkeypatch.setattr(harness, "_on_gpu", lambda: False)
+def no_gpu(monkeypatch):
+    """Run as on a machine without a GPU even where one exists (CPU timing, so the fake clock
+    and call counts apply; smoke runs on the CPU)."""
+    monkeypatch.setattr(harness, "gpu_available", lambda: False)
 
 
 @pytest.fixture
@@ -183,13 +201,7 @@ def test_check_without_reference_is_rejected():
 
 def test_argparser_defaults_and_case_filter():
     args = parse()
-    assert (args.reps, args.warmup, args.no_flush, args.graph, args.quick) == (
-        100,
-        10,
-        False,
-        False,
-        False,
-    )
+    assert (args.no_flush, args.graph, args.quick, args.smoke) == (False, False, False, False)
     assert args.out is None and args.cases is None and args.no_write is False
     assert harness.timing_settings(args) == {
         "reps": 100,
@@ -197,7 +209,16 @@ def test_argparser_defaults_and_case_filter():
         "flush": True,
         "graph": False,
     }
-    assert harness.timing_settings(parse("--quick"))["reps"] == 10
+    assert harness.run_mode(args) == "full" and harness.copy_nbytes(args) == 2 * harness.GiB
+    quick, smoke = parse("--quick"), parse("--smoke")
+    assert (harness.timing_settings(quick)["reps"], harness.timing_settings(quick)["warmup"]) == (
+        30,
+        5,
+    )
+    assert harness.copy_nbytes(quick) == 2 * harness.GiB  # the same roofline as a full run
+    assert harness.run_mode(smoke) == "smoke" and harness.timing_settings(smoke)["reps"] == 3
+    assert harness.copy_nbytes(smoke) < harness.copy_nbytes(quick)
+    assert harness.timing_settings(parse("--quick", "--reps", "7"))["reps"] == 7  # explicit wins
     cases = [make_case("bevdet-r50-256x704"), make_case("sweep-n-1000")]
     picked = harness.select_cases(cases, parse("--cases", "^bevdet").cases)
     assert [c.name for c in picked] == ["bevdet-r50-256x704"]
@@ -208,6 +229,7 @@ def test_result_stem_labels_variants():
     assert harness.result_stem("bev_pool", parse("--graph")) == "bev_pool.graph"
     warm_quick = parse("--no-flush", "--quick")
     assert harness.result_stem("bev_pool", warm_quick) == "bev_pool.warm-l2.quick"
+    assert harness.result_stem("bev_pool", parse("--smoke")) == "bev_pool.smoke"
 
 
 def test_gpu_slug():
@@ -269,7 +291,8 @@ def test_write_results_round_trip(tmp_path, clock, capsys):
     path = harness.write_results("toy", records, tmp_path / "h200", meta, 1000.0)
     assert path == tmp_path / "h200" / "toy.json"
     doc = json.loads(path.read_text())
-    assert set(doc) == {"benchmark", "metadata", "copy_bandwidth_gbps", "results"}
+    assert set(doc) == {"benchmark", "metadata", "copy_bandwidth_gbps", "results", "targets"}
+    assert doc["targets"] == []
     assert doc["benchmark"] == "toy" and doc["metadata"] == meta
     assert doc["copy_bandwidth_gbps"] == 1000.0
     assert doc["results"] == json.loads(json.dumps(records))
@@ -302,17 +325,318 @@ def test_plot_writes_png(tmp_path, clock):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# --------------------------------------------------------------------------- checks
+
+
+def test_close_check_uses_the_tolerance_table():
+    check = harness.close_check("bev_pool_v2")  # float32 row: atol 1e-4
+    want = torch.ones(8)
+    check(want + 5e-5, want)
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        check(want + 1e-3, want)
+    with pytest.raises(AssertionError):
+        harness.close_check(None)(want + 5e-5, want)  # the float32 default is tighter
+    check((want, None), (want.clone(), None))  # tuples, None compared as None
+    with pytest.raises(AssertionError):
+        check((want, None), (want, want))
+    ints = torch.arange(5, dtype=torch.int32)
+    harness.close_check("sort_by_cell")(ints, ints.clone())
+    with pytest.raises(AssertionError):
+        harness.close_check("sort_by_cell")(ints + 1, ints)  # integers: exact
+
+
+def test_default_check_is_the_table_of_the_case_op():
+    case = make_case("near", fn=lambda x: x + 5e-5, reference=lambda x: x)
+    case.op = "bev_pool"  # atol 1e-4 for float32
+    (rec,) = harness.run_cases([case], args=parse("--reps", "1", "--warmup", "0"), copy_bw=1.0)
+    assert rec["status"] == "ok" and rec["checked"] is True
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def _record(name, direction="forward", dtype="float32", status="ok", **metrics):
+    return {"name": name, "direction": direction, "dtype": dtype, "status": status, **metrics}
+
+
+def test_targets_match_and_verdicts():
+    from benchmarks import targets
+
+    records = [
+        _record("cfg-forward-float32", median_us=5.0, pct_of_copy_bw=60.0),
+        _record("cfg-forward-float16", dtype="float16", median_us=9.0),
+        _record("cfg-backward-float32", direction="backward", status="failed", median_us=None),
+        _record("other-forward-float32", median_us=1.0),
+    ]
+    ts = [
+        Target(r"cfg-.*", "median_us", "<=", 7.5, "issue 3"),
+        Target("cfg-forward-float32", "pct_of_copy_bw", ">=", 50.0),
+        Target("cfg", "median_us", "<=", 1.0),  # whole-name match: "cfg" matches nothing
+        Target(r"cfg-.*", "median_us", "<=", 7.5, direction="forward", dtype="float16"),
+    ]
+    verdicts = targets.evaluate(records, ts)
+    assert [(v["case"], v["met"]) for v in verdicts] == [
+        ("cfg-forward-float32", True),
+        ("cfg-forward-float16", False),
+        ("cfg-backward-float32", None),  # failed: not measured
+        ("cfg-forward-float32", True),
+        ("cfg-forward-float16", False),
+    ]
+    v = verdicts[0]
+    assert set(v) == {
+        "case",
+        "direction",
+        "dtype",
+        "metric",
+        "op",
+        "target",
+        "value",
+        "met",
+        "note",
+    }
+    assert targets.format_line(v) == (
+        "target cfg-forward-float32 (forward float32): 5.0 us (target <= 7.5 us): MET [issue 3]"
+    )
+    assert "NOT MEASURED" in targets.format_line(verdicts[2])
+    assert "60.0% of copy bw (target >= 50.0% of copy bw): MET" in targets.format_line(verdicts[3])
+    with pytest.raises(ValueError, match="metric"):
+        Target("x", "p50", "<=", 1.0)
+    with pytest.raises(ValueError, match="op"):
+        Target("x", "median_us", "<", 1.0)
+
+
+def test_targets_are_evaluated_printed_and_written(tmp_path, clock, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "measure_copy_bandwidth", lambda device, nbytes: 100.0)
+
+    def fn(x):
+        clock.spend(10.0)
+        return x + 1
+
+    def build(args):
+        return [make_case("bevdet-r50", fn=fn, reference=lambda x: x + 1)]
+
+    ts = (Target("bevdet-.*", "median_us", "<=", 5.0, "issue 3"),)
+    rc = harness.run_benchmark(
+        "toy", build, parse("--smoke", "--out", str(tmp_path)), targets=ts, needs_native=False
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "target bevdet-r50 (forward float32): 10.0 us (target <= 5.0 us): MISSED" in out
+    doc = json.loads((tmp_path / "toy.smoke.json").read_text())
+    assert doc["targets"][0]["met"] is False and doc["targets"][0]["value"] == pytest.approx(10.0)
+    assert doc["metadata"]["run_mode"] == "smoke"
+    table = report.markdown_table(doc)
+    assert "| bevdet-r50 | forward | float32 | <= 5.0 us | 10.0 us | MISSED | issue 3 |" in table
+
+
+def test_committed_target_verdicts_match_the_scripts_targets():
+    """The verdicts stored in the committed results are what the scripts' TARGETS give on the
+    committed records (same cases, values and outcomes)."""
+    from benchmarks import targets
+
+    for bench in ("bev_pool", "bev_pool_prepare"):
+        doc = json.loads((REPO / "benchmarks/results/h200" / f"{bench}.json").read_text())
+        module = importlib.import_module(f"benchmarks.bench_{bench}")
+        fresh = targets.evaluate(doc["results"], module.TARGETS)
+        assert [(v["case"], v["value"], v["met"]) for v in fresh] == [
+            (v["case"], v["value"], v["met"]) for v in doc["targets"]
+        ], bench
+
+
+# --------------------------------------------------------------------------- host timing
+
+
+def test_time_host_counts_calls_per_trial(clock):
+    calls = []
+
+    def fn():
+        calls.append(1)
+        clock.spend(2.0)
+
+    timing = harness.time_host(fn, lambda: (), calls=50, trials=3, warmup=4)
+    assert len(calls) == 4 + 3 * 50
+    assert timing.mode == "host" and timing.reps == 3
+    assert timing.median_us == pytest.approx(2.0)
+
+
+def test_zero_byte_case_has_no_bandwidth(clock):
+    (rec,) = harness.run_cases(
+        [make_case(nbytes=0)], args=parse("--reps", "2", "--warmup", "0"), copy_bw=10.0
+    )
+    assert rec["status"] == "ok" and rec["gbps"] is None and rec["pct_of_copy_bw"] is None
+
+
+# --------------------------------------------------------------------------- where it runs
+
+
+def test_output_dir_rules(tmp_path, monkeypatch):
+    assert harness.output_dir(parse("--smoke")) is None
+    assert harness.output_dir(parse()) is None  # no GPU: never into the source tree
+    assert harness.output_dir(parse("--smoke", "--out", str(tmp_path))) == tmp_path
+    assert harness.output_dir(parse("--out", str(tmp_path), "--no-write")) is None
+    monkeypatch.setattr(harness, "gpu_available", lambda: True)
+    monkeypatch.setattr(harness, "gpu_slug", lambda name=None: "h200")
+    assert harness.output_dir(parse()) == harness.RESULTS_ROOT / "h200"
+    assert harness.output_dir(parse("--quick")) == harness.RESULTS_ROOT / "h200"
+    assert harness.output_dir(parse("--smoke")) is None
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_without_gpu_a_bench_refuses_in_one_line(bench, capsys):
+    module = importlib.import_module(f"benchmarks.bench_{bench}")
+    start = time.perf_counter()
+    assert module.main([]) == harness.EXIT_CANNOT_RUN
+    assert time.perf_counter() - start < 5.0
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and captured.out == ""
+    assert f"bench_{bench}: needs a CUDA GPU" in lines[0] and "--smoke" in lines[0]
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_smoke_run_on_the_cpu(bench, tmp_path, capsys):
+    """Each script end to end on tiny inputs: every case checked against its reference and
+    timed, the JSON written where --out says, and report.py renders it."""
+    module = importlib.import_module(f"benchmarks.bench_{bench}")
+    assert module.main(["--smoke", "--out", str(tmp_path)]) == 0, capsys.readouterr().out
+    (path,) = tmp_path.glob("*.json")
+    assert path.name == f"{bench}.smoke.json"
+    doc = json.loads(path.read_text())
+    assert doc["results"] and all(r["status"] == "ok" for r in doc["results"])
+    assert all(r["mode"] in ("cpu", "host") for r in doc["results"])
+    assert len(doc["targets"]) == len(
+        harness.evaluate_targets(doc["results"], getattr(module, "TARGETS", ()))
+    )
+    assert report.markdown_table(doc)
+
+
+def test_smoke_run_writes_nothing_without_out(tmp_path, monkeypatch):
+    from benchmarks import bench_copy_bandwidth
+
+    monkeypatch.setattr(harness, "RESULTS_ROOT", tmp_path / "results")
+    monkeypatch.chdir(tmp_path)
+    assert bench_copy_bandwidth.main(["--smoke"]) == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_script_exits_promptly_without_a_gpu():
+    """`python -m benchmarks.bench_<name>` with no GPU visible: exit 1 with one line naming
+    --smoke, in about the time of importing torch (all scripts at once)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MUSA_VISIBLE_DEVICES": ""}
+    start = time.perf_counter()
+    procs = {
+        b: subprocess.Popen(
+            [sys.executable, "-m", f"benchmarks.bench_{b}"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for b in BENCHES
+    }
+    for bench, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == harness.EXIT_CANNOT_RUN, (bench, out, err)
+        assert out == "" and len(err.strip().splitlines()) == 1 and "--smoke" in err, bench
+    assert time.perf_counter() - start < 60
+
+
+# --------------------------------------------------------------------------- report, compare
+
+
 def test_report_tables_read_the_committed_results():
     """benchmarks.report turns every committed results file into a markdown table (the docs
-    quote them), including bench_overhead's own format."""
-    from benchmarks import report
-
-    files = sorted(
-        (Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("*/*.json")
-    )
+    quote them), including bench_overhead's former format, and the target verdicts."""
+    files = sorted((REPO / "benchmarks" / "results").glob("*/*.json"))
     assert files, "no committed benchmark results"
     for f in files:
         doc = json.loads(f.read_text())
         table = report.markdown_table(doc)
         rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
-        assert len(rows) == len(doc["results"]) + 1, f.name  # header + one row per result
+        n_targets = len(doc.get("targets", []))
+        expected = len(doc["results"]) + 1 + (n_targets + 1 if n_targets else 0)
+        assert len(rows) == expected, f.name  # header + one row per result (and per target)
+        assert "targets" not in doc["metadata"], f.name  # the one format: top-level "targets"
+
+
+def _run_doc(medians: dict, spread=0.0, commit="abc", **extra) -> dict:
+    results = []
+    for name, med in medians.items():
+        results.append(
+            {
+                "name": name,
+                "direction": "forward",
+                "dtype": "float32",
+                "status": "ok" if med is not None else "failed",
+                "median_us": med,
+                "p10_us": None if med is None else med - spread,
+                "p90_us": None if med is None else med + spread,
+                "reps": 30,
+                **extra,
+            }
+        )
+    return {"benchmark": "toy", "metadata": {"git_commit": commit}, "results": results}
+
+
+def test_compare_verdicts_and_noise_band():
+    old = [
+        _run_doc({"a": 100.0, "b": 100.0, "c": 100.0, "d": 10.0, "gone": 1.0}),
+        _run_doc({"a": 104.0, "b": 100.0, "c": 100.0, "d": 10.0, "gone": 1.0}),
+    ]
+    new = [
+        _run_doc({"a": 109.0, "b": 90.0, "c": 110.0, "d": None, "added": 2.0}, commit="def"),
+        _run_doc({"a": 109.0, "b": 90.0, "c": 110.0, "d": None, "added": 2.0}, commit="def"),
+    ]
+    text, counts = compare.compare(old, new)
+    rows = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ")}
+    # a: old runs 4 us apart -> band 8 us; +7 us is within it
+    assert rows["a"].endswith("| same |") and "7.8%" in rows["a"]
+    assert rows["b"].endswith("| faster |") and rows["c"].endswith("| SLOWER |")
+    assert rows["d"].endswith("| FAILED new |")
+    assert rows["gone"].endswith("| only in old |") and rows["added"].endswith("| only in new |")
+    assert counts == {"same": 1, "faster": 1, "SLOWER": 1, "FAILED new": 1, "only in old": 1,
+                      "only in new": 1}  # fmt: skip
+    assert "old: abc, 2 run(s); new: def, 2 run(s); 30 reps per case" in text
+
+
+def test_compare_reads_the_former_overhead_format(tmp_path):
+    committed = REPO / "benchmarks/results/h200/overhead.json"
+    doc = json.loads(committed.read_text())
+    new = {  # the harness format of the same variants
+        "benchmark": "overhead",
+        "metadata": {},
+        "results": [
+            {"name": r["variant"], "direction": "forward", "dtype": "float32", "status": "ok",
+             "median_us": r["us_per_call"], "p10_us": None, "p90_us": None, "reps": 5}
+            for r in doc["results"]
+        ],
+    }  # fmt: skip
+    path = tmp_path / "new.json"
+    path.write_text(json.dumps(new))
+    assert compare.main([str(committed), str(path)]) == 0
+    text, counts = compare.compare([doc], [new])
+    assert counts == {"same": len(doc["results"])}
+
+
+def test_tools_import_without_private_names():
+    """The GPU-only tools import on a CPU (no names that the op layer may drop)."""
+    for name in ("benchmarks.tune_points_per_block", "benchmarks.profile_kernels"):
+        importlib.import_module(name)
+    from benchmarks import tune_points_per_block
+
+    assert tune_points_per_block.main([]) == 1  # needs the native library on a GPU
+
+
+def test_benchmarks_use_no_private_names_of_the_ops():
+    """benchmarks/ imports only public names of mu_space.ops.* (the op layer's private names
+    may change at any time)."""
+    import ast
+
+    for path in sorted((REPO / "benchmarks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mu_space.ops"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.name}: from {node.module} import {private}"
+        assert 'sys.modules["mu_space.ops' not in path.read_text(), path.name
