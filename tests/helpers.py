@@ -1,4 +1,5 @@
-"""Shared test helpers: tolerance table, poisoned outputs, verbose comparisons, GPU selection."""
+"""Shared test helpers: the tolerance table's bounds as keyword arguments, comparisons with an
+explicit bound, poisoned buffers, GPU selection. Tolerances live in mu_space.testing.tolerances."""
 
 from __future__ import annotations
 
@@ -6,54 +7,20 @@ import pytest
 import torch
 
 from mu_space.runtime import native
-
-# Native vs reference tolerances per dtype (atol, rtol). Kernels accumulate in float32 and the
-# reference in the input dtype or float32, so differences are rounding of the output dtype:
-# float32 ~1e-6 relative after reordered sums; float16 has 11 significant bits (~5e-4),
-# bfloat16 8 bits (~4e-3), and one output rounding can flip the last bit of each.
-TOLERANCES = {
-    torch.float64: (1e-12, 1e-10),
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (1e-3, 2e-3),
-    torch.bfloat16: (1e-2, 1.6e-2),
-}
+from mu_space.testing import tolerances
 
 
-def tolerance(dtype: torch.dtype) -> dict:
-    atol, rtol = TOLERANCES[dtype]
-    return {"atol": atol, "rtol": rtol}
+def tolerance(dtype: torch.dtype, op: str | None = None) -> dict:
+    """{"atol", "rtol"} of the tolerance table for `op` (None: the defaults) and `dtype`."""
+    t = tolerances.tolerance(op, dtype)
+    assert not t.relative_to_max, "scaled tolerances: use tolerances.assert_close(op=...)"
+    return {"atol": t.atol, "rtol": t.rtol}
 
 
-def assert_close(
-    got: torch.Tensor, want: torch.Tensor, *, atol: float, rtol: float, name: str = "out"
-):
-    """assert_close that reports where and how much the worst element differs; NaN never passes."""
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    if got.numel() == 0:
-        return
-    g, w = got.detach().double().cpu(), want.detach().double().cpu()
-    nan = torch.isnan(g) & ~torch.isnan(w)
-    assert not nan.any(), (
-        f"{name}: {int(nan.sum())} NaN elements (unwritten?), first at "
-        f"{tuple(int(i) for i in nan.nonzero()[0])}"
-    )
-    err = (g - w).abs()
-    bound = atol + rtol * w.abs()
-    bad = err > bound
-    if bad.any():
-        idx = (
-            tuple(int(i) for i in (err - bound).flatten().argmax().unravel_index(err.shape))
-            if hasattr(torch.Tensor, "unravel_index")
-            else tuple(
-                int(i) for i in torch.unravel_index((err - bound).flatten().argmax(), err.shape)
-            )
-        )
-        raise AssertionError(
-            f"{name}: {int(bad.sum())}/{err.numel()} elements out of tolerance (atol={atol}, "
-            f"rtol={rtol}); worst at {idx}: got {g[idx].item():.9g}, want {w[idx].item():.9g}; "
-            f"max abs err {err.max().item():.3g}"
-        )
+def assert_close(got, want, *, atol: float, rtol: float, name: str = "out"):
+    """tolerances.assert_close with a bound given by the test (its reason is the test's)."""
+    bound = tolerances.Tolerance(atol, rtol, "the bound this test states")
+    tolerances.assert_close(got, want, bound, name=name)
 
 
 def poisoned(shape, dtype, device) -> torch.Tensor:

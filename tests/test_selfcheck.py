@@ -29,8 +29,8 @@ def test_selfcheck_strict_fails_where_native_cannot_run(capsys):
 
 
 def test_selfcheck_reports_a_wrong_result(monkeypatch, capsys):
-    spec = registry.get("add_one")
-    monkeypatch.setattr(spec, "api", lambda x, backend: x + (1 if backend == "reference" else 2))
+    op = registry.get("add_one")
+    monkeypatch.setattr(op.d, "api", lambda x, backend: x + (1 if backend == "reference" else 2))
     monkeypatch.setattr(selfcheck.native, "unavailable_reason", lambda device: None)
     assert selfcheck.main(["--device", "cpu"]) == 1
     assert "FAIL" in capsys.readouterr().out

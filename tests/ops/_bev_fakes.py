@@ -16,6 +16,13 @@ from typing import NamedTuple
 
 import torch
 
+_LIMITS = {
+    "bev_pool_v2.max_cells": 2**31 - 1,
+    "bev_pool_v2.max_points": 2**30,
+    "bev_pool_v2.max_channels": 2**20,
+    "sort_by_cell.max_cells": 2**31 - 1,
+}
+
 
 class SortResult(NamedTuple):
     order: torch.Tensor
@@ -103,19 +110,27 @@ def _real(module: str, name: str, record: str):
 def install(monkeypatch, real: bool = False):
     """Route `bev_pool` / `bev_pool_v3` through the native composition on CPU, with the fakes
     above, or (`real=True`) with the real primitives' reference paths where they exist."""
-    from mu_space.runtime import native
-
     sort, pool = fake_sort_by_cell, fake_bev_pool_v2
     if real:
         sort = _real("bev_pool_prepare", "sort_by_cell", "sort") or sort
         pool = _real("bev_pool_v2", "bev_pool_v2", "pool") or pool
-    bev_pool_v3 = importlib.import_module(
-        "mu_space.ops.bev_pool_v3"
-    )  # the module, not the function
-    monkeypatch.setattr(bev_pool_v3, "_primitives", lambda: (sort, pool))
-    monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
+    _route_native_composition(monkeypatch, sort, pool)
     Calls.sort = Calls.pool = None
     return Calls
+
+
+def _route_native_composition(monkeypatch, sort, pool):
+    """The composite ops take their native path on the CPU, with `sort` / `pool` as primitives
+    (a library with the entry points and limits of the real one is assumed)."""
+    from mu_space.ops import _bev
+    from mu_space.runtime import native, registry
+
+    monkeypatch.setattr(_bev, "primitives", lambda: (sort, pool))
+    monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(native, "has_function", lambda name: True)
+    monkeypatch.setattr(native, "build_facts", lambda: {"bf16": True, "limits": _LIMITS})
+    for op in registry.operators():
+        monkeypatch.setattr(op, "_entry_state", None)
 
 
 def install_reference_primitives(monkeypatch):
@@ -123,7 +138,6 @@ def install_reference_primitives(monkeypatch):
     their custom ops under torch.compile) running their reference paths."""
     from mu_space.ops.bev_pool_prepare import sort_by_cell
     from mu_space.ops.bev_pool_v2 import bev_pool_v2
-    from mu_space.runtime import native
 
     def sort(cell, n_cells, *, backend="auto"):
         return sort_by_cell(cell, n_cells, backend="reference")
@@ -131,6 +145,4 @@ def install_reference_primitives(monkeypatch):
     def pool(*args, backend="auto", **kwargs):
         return bev_pool_v2(*args, backend="reference", **kwargs)
 
-    bev_pool_v3 = importlib.import_module("mu_space.ops.bev_pool_v3")
-    monkeypatch.setattr(bev_pool_v3, "_primitives", lambda: (sort, pool))
-    monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
+    _route_native_composition(monkeypatch, sort, pool)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-import mu_space
 from mu_space.ops.bev_pool_prepare import (
     BEVPoolRanks,
     CellSort,
@@ -21,7 +20,7 @@ from mu_space.ops.bev_pool_prepare import (
     sort_by_cell,
     sort_by_cell_reference,
 )
-from mu_space.runtime import kernel_dispatch, native, registry
+from mu_space.runtime import native
 from mu_space.testing import bev_geometry
 from tests.helpers import native_gpu_device, poisoned
 
@@ -319,19 +318,6 @@ def test_bad_grid_errors_name_the_argument(grid, exc, match):
         bev_pool_prepare_reference(coor, *grid)
 
 
-def test_bad_backend():
-    coor, grid = _geometry("tiny")
-    with pytest.raises(ValueError, match="backend must be one of"):
-        bev_pool_prepare(coor, *grid, backend="fast")
-
-
-def test_cpu_dispatch_records_the_reference():
-    coor, grid = _geometry("tiny")
-    bev_pool_prepare(coor, *grid)
-    rows = [r for r in kernel_dispatch.records() if r["op"] == "bev_pool_prepare"]
-    assert rows and all(r["backend"] == "reference" for r in rows)
-
-
 # ---------------------------------------------------------------- sort_by_cell
 
 
@@ -389,52 +375,6 @@ def test_sort_by_cell_bad_inputs(args, exc, match):
 
 
 # ---------------------------------------------------------------- torch.library / registry
-
-
-def test_torch_compile_sees_the_custom_ops_without_graph_breaks():
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    coor, grid = _geometry("tiny")
-    counter = CompileCounterWithBackend("eager")
-
-    @torch.compile(backend=counter, fullgraph=True)
-    def fn(c, cells):
-        r = bev_pool_prepare(c, *grid)
-        s = sort_by_cell(cells, 10)
-        return r.ranks_bev.sum() + r.interval_lengths.sum() + s.order.sum()
-
-    cells = torch.randint(-2, 12, (200,))
-    want = bev_pool_prepare(coor, *grid)
-    expected = (
-        want.ranks_bev.sum() + want.interval_lengths.sum() + sort_by_cell(cells, 10).order.sum()
-    )
-    assert fn(coor, cells) == expected
-    targets = {str(n.target) for n in counter.graphs[0].graph.nodes if n.op == "call_function"}
-    assert {"mu_space.bev_pool_prepare", "mu_space.sort_by_cell"} <= {
-        t.removesuffix(".default") for t in targets
-    }
-
-
-def test_opcheck_reference_path():
-    coor, (lower, interval, size) = _geometry("tiny")
-    torch.library.opcheck(
-        torch.ops.mu_space.bev_pool_prepare.default,
-        (coor, list(lower), list(interval), list(size), "auto"),
-    )
-    torch.library.opcheck(
-        torch.ops.mu_space.sort_by_cell.default, (torch.randint(-3, 40, (500,)), 37, "auto")
-    )
-
-
-def test_registered_for_the_operator_matrix():
-    spec = registry.get("bev_pool_prepare")
-    assert spec.public and spec.family == "bev" and spec.doc == "docs/operators/bev_pool_prepare.md"
-    assert "bev_pool_prepare_forward" in spec.native_entry_points
-    assert not registry.get("sort_by_cell").public  # internal primitive
-    assert mu_space.ops.bev_pool_prepare is bev_pool_prepare
-    for case in spec.self_check_cases(torch.device("cpu")):
-        r = spec.api(*case.args, backend="reference")
-        assert r.ranks_bev.numel() > 0 and r.interval_starts.numel() > 0
 
 
 # ---------------------------------------------------------------- native (GPU) tests
@@ -515,22 +455,6 @@ def _call_native_prepare(coor, grid, *, workspace=None, flag_sets=((COUNT | ORDE
     torch.cuda.synchronize(device)
     k, m = workspace[:2].tolist()
     return outs, k, m
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny", "bevdet-r50", "bevfusion-cam"])
-def test_native_entry_point_writes_every_output_element(name):
-    device = native_gpu_device()
-    coor, grid = _geometry(name, device=device)
-    want = bev_pool_prepare_reference(coor, *grid)
-    outs, k, m = _call_native_prepare(coor, grid)
-    assert k == want.ranks_bev.numel() and m == want.interval_starts.numel()
-    _assert_equal_ranks(
-        BEVPoolRanks(outs[0][:k], outs[1][:k], outs[2][:k], outs[3][:m], outs[4][:m]), want, name
-    )
-    # nothing past the counts was touched
-    assert all(torch.all(t[k:] == -1) for t in outs[:3])
-    assert all(torch.all(t[m:] == -1) for t in outs[3:])
 
 
 @pytest.mark.gpu
@@ -703,65 +627,6 @@ def test_native_non_contiguous_coor():
     assert not t.is_contiguous()
     _assert_equal_ranks(
         bev_pool_prepare(t, *grid, backend="cuda"), bev_pool_prepare_reference(coor, *grid)
-    )
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["bevdet-r50", "bevfusion-cam"])
-def test_native_is_deterministic_over_reruns(name):
-    device = native_gpu_device()
-    coor, grid = _geometry(name, device=device)
-    first = bev_pool_prepare(coor, *grid, backend="cuda")
-    for _ in range(5):
-        _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), first, name)
-
-
-@pytest.mark.gpu
-def test_native_runs_on_the_callers_non_default_stream():
-    """coor is filled on a non-default stream behind a ~50 ms spin; a launch on any other stream
-    would read the NaN placeholder and keep nothing."""
-    device = native_gpu_device()
-    src, grid = _geometry("bevdet-r50", device=device)
-    coor = torch.full_like(src, float("nan"))
-    torch.cuda.synchronize(device)
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(100_000_000)
-        coor.copy_(src)
-        got = bev_pool_prepare(coor, *grid, backend="cuda")
-        cells = torch.zeros(1 << 16, dtype=torch.int64, device=device)
-        torch.cuda._sleep(100_000_000)
-        cells.copy_(torch.arange(1 << 16, device=device) % 1000)
-        sorted_ = sort_by_cell(cells, 1000, backend="cuda")
-    stream.synchronize()
-    _assert_equal_ranks(got, bev_pool_prepare_reference(src, *grid))
-    _assert_equal_ranks(sorted_, sort_by_cell_reference(cells, 1000))
-
-
-@pytest.mark.gpu
-def test_native_dispatch_records():
-    device = native_gpu_device()
-    coor, grid = _geometry("tiny", device=device)
-    bev_pool_prepare(coor, *grid)
-    bev_pool_prepare(coor.double(), *grid)
-    rows = {(r["op"], r["backend"], r["reason"]) for r in kernel_dispatch.records()}
-    assert ("bev_pool_prepare", "cuda", "native") in rows
-    assert any(
-        op == "bev_pool_prepare" and b == "reference" and "float64" in why for op, b, why in rows
-    )
-
-
-@pytest.mark.gpu
-def test_native_opcheck():
-    device = native_gpu_device()
-    coor, (lower, interval, size) = _geometry("tiny", device=device)
-    torch.library.opcheck(
-        torch.ops.mu_space.bev_pool_prepare.default,
-        (coor, list(lower), list(interval), list(size), "cuda"),
-    )
-    torch.library.opcheck(
-        torch.ops.mu_space.sort_by_cell.default,
-        (torch.randint(-3, 40, (5000,), device=device), 37, "cuda"),
     )
 
 

@@ -9,10 +9,8 @@ Inputs: BEVDet-style ranks from real frustum geometry, not sorted, usually shuff
 import pytest
 import torch
 
-import mu_space
 from mu_space.ops.bev_pool import bev_pool
 from mu_space.ops.bev_pool_v3 import bev_pool_v3, bev_pool_v3_reference
-from mu_space.runtime import registry
 from mu_space.testing.bev_pool_inputs import bevdet_ranks, bevfusion_inputs
 from tests.helpers import assert_close, native_gpu_device, tolerance
 from tests.ops import _bev_fakes
@@ -222,13 +220,6 @@ def test_half_precision_accumulates_in_float32(dtype):
     assert_close(got, loop_bev_pool_v3(*args_of(a)).to(dtype), **tolerance(dtype))
 
 
-def test_reference_is_deterministic():
-    a = bevdet_ranks("tiny", batch=2, shuffle=True)
-    first = bev_pool_v3(*args_of(a))
-    for _ in range(3):
-        assert torch.equal(bev_pool_v3(*args_of(a)), first)
-
-
 def test_gradcheck_float64_depth_mode():
     a = bevdet_ranks("tiny", batch=2, channels=3, shuffle=True, dtype=torch.float64)
     keep = torch.randperm(a["ranks_bev"].shape[0])[:400]
@@ -330,34 +321,6 @@ def test_bad_inputs_name_the_argument(mutate, error, message):
     a = mutate(bevdet_ranks("tiny"))
     with pytest.raises(error, match=message):
         bev_pool_v3(*args_of(a))
-
-
-def test_torch_compile_fullgraph_reference():
-    a = bevdet_ranks("tiny", batch=2, shuffle=True)
-    want = bev_pool_v3(*args_of(a))
-    fn = torch.compile(bev_pool_v3, backend="eager", fullgraph=True)
-    assert torch.equal(fn(*args_of(a)), want)
-    fn = torch.compile(bev_pool_v3, fullgraph=True, dynamic=True)
-    depth = a["depth"].clone().requires_grad_(True)
-    out = fn(depth, *args_of(a)[1:])
-    assert_close(out, want, atol=1e-5, rtol=1e-5)
-    out.sum().backward()
-    assert depth.grad is not None
-    v1 = bevfusion_inputs("tiny", keep_out_of_range=True)
-    shape = (v1["B"], v1["D"], v1["H"], v1["W"], v1["feats"].shape[1])
-    assert_close(
-        fn(None, v1["feats"], None, None, v1["coords"], shape),
-        bev_pool_v3(None, v1["feats"], None, None, v1["coords"], shape),
-        atol=1e-5,
-        rtol=1e-5,
-    )
-
-
-def test_registry_entry():
-    spec = registry.get("bev_pool_v3")
-    assert spec.family == "bev" and spec.public and spec.api is mu_space.ops.bev_pool_v3
-    assert spec.upstream == "DrivingSDK bev_pool_v3" and spec.doc == "docs/operators/bev_pool_v3.md"
-    assert spec.self_check_cases(torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- native composition, CPU fakes
@@ -618,28 +581,3 @@ def test_native_backward_deterministic_when_requested():
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
-
-
-@pytest.mark.gpu
-def test_native_runs_on_the_callers_stream():
-    device = native_gpu_device()
-    a = bevdet_ranks("bevdet-r50", device=device, shuffle=True)
-    want = bev_pool_v3(*args_of(a), backend="cuda")
-    stream = torch.cuda.Stream(device)
-    feat = torch.zeros_like(a["feat"])
-    torch.cuda.synchronize(device)
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(100_000_000)
-        feat.copy_(a["feat"])
-        got = bev_pool_v3(a["depth"], feat, *args_of(a)[2:], backend="cuda")
-    stream.synchronize()
-    assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
-def test_native_torch_compile():
-    device = native_gpu_device()
-    a = bevdet_ranks("bevdet-r50", device=device, shuffle=True)
-    want = bev_pool_v3(*args_of(a), backend="cuda")
-    fn = torch.compile(bev_pool_v3, fullgraph=True)
-    assert_close(fn(*args_of(a)), want, **tolerance(torch.float32))
