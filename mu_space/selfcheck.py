@@ -28,6 +28,36 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _parse_device(text: str) -> torch.device:
+    """--device, checked: a usable torch device or SystemExit with one clear line."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise SystemExit(
+            f"mu-space: error: --device {text!r} is not a torch device "
+            "(e.g. cpu, cuda, cuda:1, musa)"
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                f"mu-space: error: --device {text}: this torch ({torch.__version__}) "
+                "has no usable CUDA device"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise SystemExit(
+                f"mu-space: error: --device {text}: only {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif device.type == "musa":
+        if not (hasattr(torch, "musa") and torch.musa.is_available()):
+            raise SystemExit(
+                f"mu-space: error: --device {text}: torch_musa is not installed or "
+                "sees no MUSA device"
+            )
+    elif device.type != "cpu":
+        raise SystemExit(f"mu-space: error: --device {text}: muSPACE runs on cpu, cuda and musa")
+    return device
+
+
 def environment(device: torch.device) -> dict:
     st = native.status()
     env = {
@@ -116,7 +146,7 @@ def operator_table(device: torch.device) -> list[dict]:
     ]
 
 
-def _print_text(env, table, rows) -> None:
+def _print_environment(env, table) -> None:
     print("muSPACE self-check")
     for key, value in env.items():
         print(f"  {key:28s} {value}")
@@ -126,6 +156,16 @@ def _print_text(env, table, rows) -> None:
             f"{e}{'' if ok else ' (missing)'}" for e, ok in t["native_entry_points"].items()
         )
         print(f"  {t['op']:20s} {t['family']:10s} auto -> {t['auto_backend_here']:9s} [{entries}]")
+    if env.get("tvm_ffi_built_against") and env["tvm_ffi_built_against"] != env["tvm_ffi_runtime"]:
+        print(
+            f"\nwarning: the native library was built against apache-tvm-ffi "
+            f"{env['tvm_ffi_built_against']} and runs with {env['tvm_ffi_runtime']}: the ABI "
+            "is bound to the build's version; reinstall that version or rebuild"
+        )
+
+
+def _print_text(env, table, rows) -> None:
+    _print_environment(env, table)
     print("\nself-check (native vs reference where native runs):")
     for r in rows:
         err = f"max|err|={r['max_abs_err']:.3g}" if "max_abs_err" in r else r.get("error", "")
@@ -150,19 +190,36 @@ def main(argv=None) -> int:
         return 0
     if args.strict:
         kernel_dispatch.set_strict(True)
-    device = torch.device(args.device) if args.device else _default_device()
+    device = _parse_device(args.device) if args.device else _default_device()
     kernel_dispatch.reset()
     env = environment(device)
     table = operator_table(device)
+    if args.strict and not env["native_usable_on_device"]:
+        # one line, not one failure per case: nothing native can run on this device
+        reason = env["native_device_reason"]
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "environment": env,
+                        "operators": table,
+                        "results": [],
+                        "dispatch": [],
+                        "ok": False,
+                        "error": f"strict: {reason}",
+                    },
+                    indent=2,
+                )
+            )
+        else:
+            _print_environment(env, table)
+            print(f"\nstrict: native kernels cannot run on {device}: {reason}")
+        return 1
     torch.manual_seed(0)
     rows = [
         run_case(op, sample, device) for op in registry.operators() for sample in op.samples(device)
     ]
     failed = [r for r in rows if r["status"] != "PASS"]
-    if args.strict and not env["native_usable_on_device"]:
-        failed.append(
-            {"op": "*", "error": f"strict: native unavailable: {env['native_device_reason']}"}
-        )
     if args.json:
         print(
             json.dumps(
@@ -182,11 +239,9 @@ def main(argv=None) -> int:
             if "traceback" in r:
                 print(f"\n{r['op']} / {r['case']} failed:\n{r['traceback']}", file=sys.stderr)
         print(
-            f"\nself-check: {len(rows) - len([r for r in failed if 'case' in r])}/{len(rows)} "
-            f"cases passed{'; FAILED' if failed else ''}"
+            f"\nself-check: {len(rows) - len(failed)}/{len(rows)} cases passed"
+            f"{'; FAILED' if failed else ''}"
         )
-        if args.strict and not env["native_usable_on_device"]:
-            print(f"strict: native kernels unavailable: {env['native_device_reason']}")
     return 1 if failed else 0
 
 

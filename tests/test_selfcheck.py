@@ -49,3 +49,38 @@ def test_operator_matrix_doc_matches_registry():
     assert doc == registry.operator_matrix_markdown(), (
         "docs/operator_matrix.md is stale: run `python -m mu_space --operator-matrix > docs/operator_matrix.md`"
     )
+
+
+def test_bad_device_arguments_are_one_line_errors(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit, match="--device 'foo' is not a torch device"):
+        selfcheck.main(["--device", "foo"])
+    with pytest.raises(SystemExit, match="muSPACE runs on cpu, cuda and musa"):
+        selfcheck.main(["--device", "meta"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="has no usable CUDA device"):
+            selfcheck.main(["--device", "cuda"])
+
+
+def test_strict_where_native_cannot_run_says_so_once(capsys):
+    if torch.cuda.is_available():
+        return
+    assert selfcheck.main(["--strict", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("strict: native kernels cannot run on cpu") == 1
+    assert "Traceback" not in out and "FAIL" not in out
+
+
+def test_dispatch_log_prints_each_decision_to_stderr():
+    code = "import torch, mu_space; mu_space.ops.add_one(torch.zeros(2))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**__import__("os").environ, "MUSPACE_DISPATCH_LOG": "1"},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "mu_space.dispatch: add_one -> reference (" in proc.stderr
