@@ -199,10 +199,10 @@ def test_auto_on_cpu_falls_back_with_the_reason_and_strict_forbids_it(op):
 
 @pytest.fixture
 def fresh_entry_points():
-    """Ops cache which entry points the library has: forget what a monkeypatched library said."""
+    """Ops cache what the library can do: forget what a monkeypatched library said."""
     yield
     for op in OPS:
-        op._entry_state = None
+        op._capability_cache.clear()
 
 
 @pytest.mark.parametrize("op", [op for op in OPS if op.entry_points], ids=_ids)
@@ -213,7 +213,7 @@ def test_capabilities_come_from_the_library(op, monkeypatch, fresh_entry_points)
     monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(native, "has_function", lambda name: False)
     for other in OPS:
-        other._entry_state = None
+        other._capability_cache.clear()
     kernel_dispatch.reset()
     op.api(*s.args, **s.kwargs)
     reasons = {r["reason"] for r in kernel_dispatch.records() if r["op"] == op.name}
@@ -222,7 +222,7 @@ def test_capabilities_come_from_the_library(op, monkeypatch, fresh_entry_points)
         op.api(*s.args, **s.kwargs, backend="native")
     monkeypatch.setattr(native, "has_function", lambda name: True)
     monkeypatch.setattr(native, "build_facts", lambda: {"bf16": False, "limits": {}})
-    op._entry_state = None
+    op._capability_cache.clear()
     if torch.bfloat16 in op.native_dtypes:
         assert "bfloat16" in op._capability_reason(torch.bfloat16, "x")
     assert op._capability_reason(torch.float64, "x") == (

@@ -140,7 +140,7 @@ class Operator:
         self.name = d.name
         self.backward_name = f"{d.name}_backward"
         self.arg_names = _arg_names(d.schema)
-        self._entry_state: tuple | None = None  # (library status object, missing entry points)
+        self._capability_cache: dict = {}  # None -> the library status it holds; (dtype, arg) -> reason
         if d.backward is not None:
             self.grad_index = tuple(self.arg_names.index(n) for n in d.backward.inputs)
         else:
@@ -203,27 +203,31 @@ class Operator:
             return str(exc)
 
     def _capability_reason(self, dtype, dtype_arg: str) -> str | None:
-        """The op's needs against the library: its entry points, the dtype, bf16 support."""
-        missing = self._missing_entry_points()
+        """The op's needs against the library: its entry points, the dtype, bf16 support
+        (cached per loaded library, dtype and argument name: asked on every native call)."""
+        st = native.status()
+        cache = self._capability_cache
+        if cache.get(None) is not st:
+            cache.clear()
+            cache[None] = st
+        key = (dtype, dtype_arg)
+        try:
+            return cache[key]
+        except KeyError:
+            reason = cache[key] = self._compute_capability_reason(dtype, dtype_arg)
+            return reason
+
+    def _compute_capability_reason(self, dtype, dtype_arg: str) -> str | None:
+        missing = tuple(e for e in self.d.entry_points if not native.has_function(e))
         if missing:
-            return (
-                f"the native library has no {', '.join(missing)} (it predates this operator: "
-                "rebuild it with `python build_utils.py --inplace`)"
-            )
+            return (f"the native library has no {', '.join(missing)} (it predates this operator: "
+                    "rebuild it with `python build_utils.py --inplace`)")
         if dtype is not None and dtype not in self.d.native_dtypes:
             dtypes = ", ".join(_dtype_name(t) for t in self.d.native_dtypes)
             return f"{dtype_arg} dtype {_dtype_name(dtype)} has no native kernel ({dtypes})"
         if dtype == torch.bfloat16 and not native.build_facts().get("bf16", False):
             return "this native build has no bfloat16 kernels (MUSA arch < mp_22)"
         return None
-
-    def _missing_entry_points(self) -> tuple[str, ...]:
-        st = native.status()
-        state = self._entry_state
-        if state is None or state[0] is not st:
-            missing = tuple(e for e in self.d.entry_points if not native.has_function(e))
-            state = self._entry_state = (st, missing)
-        return state[1]
 
     # ------------------------------------------------------------------ composite ops
 
