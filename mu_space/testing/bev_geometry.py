@@ -18,14 +18,14 @@ import torch
 
 # (yaw in degrees, x, y in metres, focal scale) per camera: front, front-right, front-left,
 # back, back-left, back-right. The back camera is wider (nuScenes: f ~ 800 vs ~1260 px).
-_CAMERAS = [
+CAMERAS = (
     (0.0, 1.70, 0.00, 1.00),
     (-55.0, 1.55, -0.49, 1.00),
     (55.0, 1.52, 0.49, 1.00),
     (180.0, 0.03, 0.00, 0.64),
     (110.0, 1.04, 0.48, 1.00),
     (-110.0, 1.05, -0.48, 1.00),
-]
+)
 _CAMERA_HEIGHT = 1.5
 
 
@@ -134,8 +134,8 @@ def frustum_points(
     samples' calibrations do; 0 gives the nominal rig.
     """
     n_cam = cfg.cameras
-    if n_cam > len(_CAMERAS):
-        raise ValueError(f"at most {len(_CAMERAS)} cameras, got {n_cam}")
+    if n_cam > len(CAMERAS):
+        raise ValueError(f"at most {len(CAMERAS)} cameras, got {n_cam}")
     h_in, w_in = cfg.image_hw
     h_f, w_f = cfg.feature_hw
     start, _, step = cfg.depth
@@ -146,7 +146,7 @@ def frustum_points(
     pix = torch.stack([uu * d, vv * d, d], dim=-1)  # [D, H, W, 3]
     out = torch.empty(cfg.batch, n_cam, cfg.n_depth, h_f, w_f, 3, dtype=torch.float64)
     for b in range(cfg.batch):
-        for n, (yaw, x, y, focal) in enumerate(_CAMERAS[:n_cam]):
+        for n, (yaw, x, y, focal) in enumerate(CAMERAS[:n_cam]):
             cam = pix @ torch.linalg.inv(intrinsics(cfg, focal)).T
             ext = camera_to_ego(yaw, x, y)
             if jitter:

@@ -16,7 +16,7 @@ spatial_cross_attention,encoder}.py`), built from ordinary torch.nn modules, wit
       -> LayerNorm -> FFN (256 -> 512 -> 256) + residual -> LayerNorm
 
 The camera geometry (which BEV pillars each camera sees, and where) is projected through the
-six nuScenes-like cameras of mu_space.testing.bev_geometry's rig (CAMERAS below) at 1600x900. The same weights and
+six nuScenes-like cameras of mu_space.testing.bev_geometry's rig (bev_geometry.CAMERAS) at 1600x900. The same weights and
 inputs run with backend A (default native) and backend B (default reference); outputs and
 gradients (query, prev_bev, image features and every parameter) are compared, then forward +
 backward is timed for both. Exit status 0 = agree, 1 = mismatch.
@@ -71,18 +71,6 @@ def _nudged(args: tuple) -> tuple:
 
 OP_CHECKS = {"multi_scale_deformable_attn": _common.OpCheck(OUT_TOL, GRAD_OP_TOL, _nudged)}
 
-# (yaw in degrees, x, y in metres, focal scale): the six-camera rig of
-# mu_space.testing.bev_geometry (front, front-right, front-left, back, back-left, back-right),
-# restated because that module keeps its table private.
-CAMERAS = (
-    (0.0, 1.70, 0.00, 1.00),
-    (-55.0, 1.55, -0.49, 1.00),
-    (55.0, 1.52, 0.49, 1.00),
-    (180.0, 0.03, 0.00, 0.64),
-    (110.0, 1.04, 0.48, 1.00),
-    (-110.0, 1.05, -0.48, 1.00),
-)
-
 
 @dataclass(frozen=True)
 class Config:
@@ -135,7 +123,7 @@ def camera_hits(cfg: Config):
     ).view(bh * bw, len(zs), 3)
     h_img, w_img = cfg.image_hw
     idx, refs = [], []
-    for yaw, cx, cy, focal in CAMERAS[: cfg.cameras]:
+    for yaw, cx, cy, focal in bev_geometry.CAMERAS[: cfg.cameras]:
         ext = bev_geometry.camera_to_ego(yaw, cx, cy)
         inv = torch.linalg.inv(ext)
         cam = pts @ inv[:3, :3].T + inv[:3, 3]  # camera frame, z forward
