@@ -79,7 +79,9 @@ def tolerance(op: str | None, dtype: torch.dtype) -> Tolerance:
     try:
         return DEFAULTS[dtype]
     except KeyError:
-        raise KeyError(f"no tolerance for dtype {dtype} (add it to mu_space/testing/tolerances.py)") from None
+        raise KeyError(
+            f"no tolerance for dtype {dtype} (add it to mu_space/testing/tolerances.py)"
+        ) from None
 
 
 def _as_tuple(value) -> tuple:
