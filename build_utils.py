@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent
 # EXCLUDED_SOURCES (with the reason); tests/test_build_sources.py enforces it.
 EXTENSION_SOURCES = [
     "csrc/ffi/muspace_ops.mu",
+    "csrc/ffi/fill.mu",
     "csrc/attention/ms_deform_attn_musa.mu",
     "csrc/bev/bev_pool_prepare_musa.mu",
     "csrc/bev/bev_pool_v2_musa.mu",

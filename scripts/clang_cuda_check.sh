@@ -4,6 +4,8 @@
 #   1. syntax   clang -fsyntax-only: host and device front ends, -Werror
 #   2. ptx      clang --cuda-device-only -S -O3: LLVM's NVPTX back end generates the device code
 #   3. sass     ptxas -v assembles that PTX; static shared memory per kernel must stay < 28 KB
+# and once per source (first arch) syntax with -DMUSPACE_HAS_BF16=0: the build without bfloat16
+# (MUSA before mp_22) still compiles, i.e. every bfloat16 use is guarded.
 # The -D / -I flags are build_utils.source_flags("cuda", ...), as in the nvcc build (TVM-FFI's
 # headers as -isystem: their own warnings are not ours).
 # CUDA 12.6 headers, libdevice and ptxas come from NVIDIA's PyPI packages, installed into a temp
@@ -80,13 +82,24 @@ mapfile -t SOURCES < <(find csrc -name '*.mu' | sort)
 export CLANG root work SMEM_LIMIT
 export FLAGS_STR="${FLAGS[*]} ${WARNINGS[*]}"
 
-check_one() {  # "$source $arch": the three steps -> $tag.result (status line; log on failure)
-  local src=$1 arch=$2
+check_one() {  # "$source $arch [nobf16]": the steps -> $tag.result (status; log on failure)
+  local src=$1 arch=$2 variant=${3:-}
   local tag
-  tag="$(echo "$src" | tr '/' '_')-$arch"
+  tag="$(echo "$src" | tr '/' '_')-$arch${variant:+-$variant}"
   local log="$work/$tag.log" ptx="$work/$tag.ptx"
   exec >"$work/$tag.result"
   local common=(-x cuda -std=c++17 --cuda-path="$root" --cuda-gpu-arch="$arch")
+  if [ "$variant" = nobf16 ]; then
+    # shellcheck disable=SC2086
+    if "$CLANG" "${common[@]}" $FLAGS_STR -DMUSPACE_HAS_BF16=0 -fsyntax-only "$src" >"$log" 2>&1
+    then
+      echo "ok    $src $arch without bfloat16 (syntax)"
+      return 0
+    fi
+    echo "FAIL  $src $arch without bfloat16 (MUSPACE_HAS_BF16=0: an unguarded bfloat16 use?)"
+    sed 's/^/      /' "$log" | head -60
+    return 1
+  fi
   local step=syntax
   # shellcheck disable=SC2086
   if "$CLANG" "${common[@]}" $FLAGS_STR -fsyntax-only "$src" >"$log" 2>&1; then
@@ -116,10 +129,11 @@ echo "== clang CUDA check: $("$CLANG" --version | head -1); CUDA root from ${PAC
 status=0
 for src in "${SOURCES[@]}"; do
   for arch in $archs; do echo "$src $arch"; done
-done | xargs -P "$jobs" -L 1 bash -c 'check_one "$0" "$1"' || status=1
+  echo "$src ${archs%% *} nobf16"
+done | xargs -P "$jobs" -L 1 bash -c 'check_one "$0" "$1" "${2:-}"' || status=1
 cat "$work"/*.result
 n_ok=$(cat "$work"/*.result | grep -c '^ok' || true)
 n_fail=$(cat "$work"/*.result | grep -c '^FAIL' || true)
-echo "clang CUDA check: $n_ok passed, $n_fail failed (${#SOURCES[@]} sources x archs: $archs)" \
+echo "clang CUDA check: $n_ok passed, $n_fail failed (${#SOURCES[@]} sources x ($archs, no-bf16))" \
   "in $(($(date +%s) - start)) s"
 [ "$status" -eq 0 ] && [ "$n_fail" -eq 0 ]

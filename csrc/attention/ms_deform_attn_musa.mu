@@ -41,7 +41,10 @@
 #include <type_traits>
 
 #include "checks.muh"
+#include "dispatch.muh"
 #include "gpu_compat.muh"
+#include "launch.muh"
+#include "vec.muh"
 #include "vector_atomics.muh"
 
 namespace muspace {
@@ -52,11 +55,13 @@ namespace msda {
 constexpr int kMaxLevels = 16;    // the issue asks for 1..8
 constexpr int kMaxHeadDim = 256;  // generic path: kGenericNV channels x a group of <= 32 lanes
 constexpr int kBlockDefault = 256;
-constexpr int kBlockMax = 512;  // every kernel's __launch_bounds__
-constexpr int kChunk = 4;       // samples per step: vector loads of 4 locations / weights and
-                                // the 16-value reduce-scatter of the backward
-constexpr int kGenericNV = 8;   // channels per lane on the any-head_dim path (VEC = 1)
-constexpr int kFillBlock = 256;
+constexpr int kBlockMax = 512;   // every kernel's __launch_bounds__
+constexpr int kChunk = 4;        // samples per step: vector loads of 4 locations / weights and
+                                 // the 16-value reduce-scatter of the backward
+constexpr int kGenericNV = 8;    // channels per lane on the any-head_dim path (VEC = 1)
+constexpr int kFillBlock = 256;  // the cast and cell-start kernels
+constexpr int kCastBlocksPerSM = 16;
+constexpr int kCellStartBlocksPerSM = 32;
 constexpr int64_t kMaxPointsPerQuery = 1 << 20;  // levels * points, keeps index math in int32
 
 // All lanes of a warp take part in every shuffle (loops are warp-uniform); the mask is derived
@@ -64,194 +69,23 @@ constexpr int64_t kMaxPointsPerQuery = 1 << 20;  // levels * points, keeps index
 // mask that stands for the whole warp).
 constexpr unsigned kFullMask = kWarpSize >= 32 ? ~0u : ((1u << kWarpSize) - 1u);
 
-// ------------------------------------------------------------------------- storage helpers
-
-template <typename T>
-__device__ __forceinline__ float bits_to_float(uint32_t bits);
-template <>
-__device__ __forceinline__ float bits_to_float<float>(uint32_t bits) {
-  return __uint_as_float(bits);
-}
-template <>
-__device__ __forceinline__ float bits_to_float<half>(uint32_t bits) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-}
-#if MUSPACE_HAS_BF16
-template <>
-__device__ __forceinline__ float bits_to_float<bfloat16>(uint32_t bits) {
-  return __uint_as_float(bits << 16);  // bf16 is the top half of a float32: exact
-}
-#endif
-
-template <typename T>
-__device__ __forceinline__ uint32_t float_to_bits(float f);
-template <>
-__device__ __forceinline__ uint32_t float_to_bits<float>(float f) {
-  return __float_as_uint(f);
-}
-template <>
-__device__ __forceinline__ uint32_t float_to_bits<half>(float f) {
-  return __half_as_ushort(__float2half_rn(f));
-}
-#if MUSPACE_HAS_BF16
-template <>
-__device__ __forceinline__ uint32_t float_to_bits<bfloat16>(float f) {
-  // Round to nearest even; NaN stays a (quiet) NaN.
-  const uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return ((u >> 16) | 0x40u) & 0xffffu;
-  return ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) & 0xffffu;
-}
-#endif
-
-// One 32-bit word holds one float32 or two 16-bit values (little endian: element 0 low).
-template <typename T>
-__device__ __forceinline__ void unpack_word(uint32_t w, float* out) {
-  if constexpr (sizeof(T) == 4) {
-    out[0] = bits_to_float<T>(w);
-  } else {
-    out[0] = bits_to_float<T>(w & 0xffffu);
-    out[1] = bits_to_float<T>(w >> 16);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack_word(const float* in) {
-  if constexpr (sizeof(T) == 4) {
-    return float_to_bits<T>(in[0]);
-  } else {
-    return float_to_bits<T>(in[0]) | (float_to_bits<T>(in[1]) << 16);
-  }
-}
-
-// Loads N consecutive elements as floats with the widest aligned vector loads (<= 16 bytes
-// each). The caller guarantees alignment to min(16, N * sizeof(T)) bytes.
-template <typename T, int N>
-__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[N]) {
-  constexpr int kBytes = N * static_cast<int>(sizeof(T));
-  constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
-  if constexpr (kBytes >= 16) {
-    static_assert(kBytes % 16 == 0, "vector width");
-#pragma unroll
-    for (int i = 0; i < kBytes / 16; ++i) {
-      const uint4 u = reinterpret_cast<const uint4*>(p)[i];
-      unpack_word<T>(u.x, out + (4 * i + 0) * kPerWord);
-      unpack_word<T>(u.y, out + (4 * i + 1) * kPerWord);
-      unpack_word<T>(u.z, out + (4 * i + 2) * kPerWord);
-      unpack_word<T>(u.w, out + (4 * i + 3) * kPerWord);
-    }
-  } else if constexpr (kBytes == 8) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-    unpack_word<T>(u.x, out);
-    unpack_word<T>(u.y, out + kPerWord);
-  } else if constexpr (kBytes == 4) {
-    unpack_word<T>(*reinterpret_cast<const uint32_t*>(p), out);
-  } else {
-    static_assert(kBytes == 2, "vector width");
-    out[0] = bits_to_float<T>(*reinterpret_cast<const uint16_t*>(p));
-  }
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[N]) {
-  constexpr int kBytes = N * static_cast<int>(sizeof(T));
-  constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
-  if constexpr (kBytes >= 16) {
-    static_assert(kBytes % 16 == 0, "vector width");
-#pragma unroll
-    for (int i = 0; i < kBytes / 16; ++i) {
-      uint4 u;
-      u.x = pack_word<T>(in + (4 * i + 0) * kPerWord);
-      u.y = pack_word<T>(in + (4 * i + 1) * kPerWord);
-      u.z = pack_word<T>(in + (4 * i + 2) * kPerWord);
-      u.w = pack_word<T>(in + (4 * i + 3) * kPerWord);
-      reinterpret_cast<uint4*>(p)[i] = u;
-    }
-  } else if constexpr (kBytes == 8) {
-    uint2 u;
-    u.x = pack_word<T>(in);
-    u.y = pack_word<T>(in + kPerWord);
-    *reinterpret_cast<uint2*>(p) = u;
-  } else if constexpr (kBytes == 4) {
-    *reinterpret_cast<uint32_t*>(p) = pack_word<T>(in);
-  } else {
-    static_assert(kBytes == 2, "vector width");
-    *reinterpret_cast<uint16_t*>(p) = static_cast<uint16_t>(float_to_bits<T>(in[0]));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float load_scalar(const T* __restrict__ p) {
-  float v[1];
-  load_vec<T, 1>(p, v);
-  return v[0];
-}
-
-template <typename T>
-__device__ __forceinline__ void store_scalar(T* __restrict__ p, float v) {
-  const float in[1] = {v};
-  store_vec<T, 1>(p, in);
-}
-
-// The raw bits of VEC consecutive elements (one load of <= 16 bytes). The gather kernels load
-// every corner of a batch of samples into RawVecs first and convert / use them afterwards: a
-// conversion right behind its load would make the next corner's load wait for this one (seen
-// in the float16 SASS: four dependent round trips per sample instead of one).
-template <typename T, int VEC>
-struct RawVec {
-  static constexpr int kBytes = VEC * static_cast<int>(sizeof(T));
-  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
-  uint32_t w[kWords];
-};
-
-// r = p[0..VEC) if pred, else zeros (a predicated load: no branch, nothing waits on it here).
-template <typename T, int VEC>
-__device__ __forceinline__ void load_raw_if(bool pred, const T* __restrict__ p, RawVec<T, VEC>& r) {
-  constexpr int kBytes = RawVec<T, VEC>::kBytes;
-  static_assert(kBytes <= 16 && (kBytes & (kBytes - 1)) == 0, "vector width");
-#pragma unroll
-  for (int i = 0; i < RawVec<T, VEC>::kWords; ++i) r.w[i] = 0u;
-  if (!pred) return;
-  if constexpr (kBytes == 16) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    r.w[0] = u.x;
-    r.w[1] = u.y;
-    r.w[2] = u.z;
-    r.w[3] = u.w;
-  } else if constexpr (kBytes == 8) {
-    const uint2 u = *reinterpret_cast<const uint2*>(p);
-    r.w[0] = u.x;
-    r.w[1] = u.y;
-  } else if constexpr (kBytes == 4) {
-    r.w[0] = *reinterpret_cast<const uint32_t*>(p);
-  } else {
-    r.w[0] = *reinterpret_cast<const uint16_t*>(p);
-  }
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void unpack_raw(const RawVec<T, VEC>& r, float (&out)[VEC]) {
-  if constexpr (RawVec<T, VEC>::kBytes == 2) {
-    out[0] = bits_to_float<T>(r.w[0]);
-  } else {
-    constexpr int kPerWord = 4 / static_cast<int>(sizeof(T));
-#pragma unroll
-    for (int i = 0; i < RawVec<T, VEC>::kWords; ++i) unpack_word<T>(r.w[i], out + i * kPerWord);
-  }
-}
+// The gather kernels load every corner of a batch of samples into Vecs first and convert / use
+// them afterwards: a conversion right behind its load would make the next corner's load wait
+// for this one (seen in the float16 SASS: four dependent round trips per sample instead of one).
 
 // Samples whose corner loads are issued together, before the first of them is used (forward):
 // the whole chunk of 4 when a sample's corners take <= 16 registers of raw data (one <= 16-byte
 // vector per lane and corner: 16 loads in flight per lane, ~120 registers), else 1.
 template <typename T, int VEC, int NV>
 constexpr int samples_in_flight() {
-  return 4 * NV * RawVec<T, VEC>::kWords <= 16 ? kChunk : 1;
+  return 4 * NV * Vec<T, VEC>::kWords <= 16 ? kChunk : 1;
 }
 
 // The backward keeps more per lane (grad_out, the 16 dot products of a chunk): half the batch
 // where a sample's corners take more than 8 registers of raw data.
 template <typename T, int VEC, int NV>
 constexpr int backward_samples_in_flight() {
-  return 4 * NV * RawVec<T, VEC>::kWords <= 8      ? kChunk
+  return 4 * NV * Vec<T, VEC>::kWords <= 8         ? kChunk
          : samples_in_flight<T, VEC, NV>() / 2 > 1 ? 2
                                                    : 1;
 }
@@ -269,7 +103,7 @@ __device__ __forceinline__ float pick(const float (&a)[N], int i) {
 // on the generic VEC = 1 path, whose 8 channels per lane already fill the register budget).
 template <typename T, int VEC, int NV>
 constexpr bool prefetch_meta() {
-  return 4 * NV * RawVec<T, VEC>::kWords <= 16;
+  return 4 * NV * Vec<T, VEC>::kWords <= 16;
 }
 
 // ------------------------------------------------------------------------- level metadata
@@ -421,8 +255,8 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ loc, const T* _
                                            float (&y)[kChunk], float (&w)[kChunk]) {
   if (vec) {
     float xy[2 * kChunk];
-    load_vec<T, 2 * kChunk>(loc + 2 * s0, xy);
-    load_vec<T, kChunk>(attn + s0, w);
+    load_floats<T, 2 * kChunk>(loc + 2 * s0, xy);
+    load_floats<T, kChunk>(attn + s0, w);
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       x[i] = xy[2 * i];
@@ -432,9 +266,9 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ loc, const T* _
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       const bool in = s0 + i < LP;  // samples past the end sit outside every level
-      x[i] = in ? load_scalar(loc + 2 * (s0 + i)) : kOutside;
-      y[i] = in ? load_scalar(loc + 2 * (s0 + i) + 1) : kOutside;
-      w[i] = in ? load_scalar(attn + s0 + i) : 0.0f;
+      x[i] = in ? load_float(loc + 2 * (s0 + i)) : kOutside;
+      y[i] = in ? load_float(loc + 2 * (s0 + i) + 1) : kOutside;
+      w[i] = in ? load_float(attn + s0 + i) : 0.0f;
     }
   }
 }
@@ -531,9 +365,9 @@ __global__ void __launch_bounds__(kBlockMax, 1)
         if constexpr (kShare) {
           const int i = s0 + mine;
           const bool in = active && i < d.LP;
-          x[0] = in ? load_scalar(gloc + 2 * i) : kOutside;
-          y[0] = in ? load_scalar(gloc + 2 * i + 1) : kOutside;
-          w[0] = in ? load_scalar(gattn + i) : 0.0f;
+          x[0] = in ? load_float(gloc + 2 * i) : kOutside;
+          y[0] = in ? load_float(gloc + 2 * i + 1) : kOutside;
+          w[0] = in ? load_float(gattn + i) : 0.0f;
         } else {
           load_chunk_or_outside(gloc, gattn, active ? s0 : d.LP, d.LP, vec_meta, x, y, w);
         }
@@ -563,7 +397,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
         // One batch: phase 1 sets up SB samples and issues all their corner loads
         // (predicated, no branch); phase 2 converts and accumulates in (sample, corner) order.
         auto batch = [&](int i0) {
-          RawVec<T, VEC> raw[SB][4][NV];
+          Vec<T, VEC> raw[SB][4][NV];
           float cw[SB][4];
 #pragma unroll
           for (int j = 0; j < SB; ++j) {
@@ -587,7 +421,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
               const uint64_t ofs = corner_offset(s, c, row_bytes);
 #pragma unroll
               for (int k = 0; k < NV; ++k) {
-                load_raw_if(s.valid[c] && chok[k], byte_offset(vlane[k], ofs), raw[j][c][k]);
+                raw[j][c][k].load_if(s.valid[c] && chok[k], byte_offset(vlane[k], ofs));
               }
             }
             advance(p, l, d);
@@ -599,7 +433,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
 #pragma unroll
               for (int k = 0; k < NV; ++k) {
                 float v[VEC];
-                unpack_raw(raw[j][c][k], v);
+                raw[j][c][k].unpack(v);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) acc[k][e] = __fmaf_rn(cw[j][c], v[e], acc[k][e]);
               }
@@ -634,7 +468,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
     T* orow = out + g * d.D;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
-      if (chok[k]) store_vec<T, VEC>(orow + ch[k], acc[k]);
+      if (chok[k]) store_floats<T, VEC>(orow + ch[k], acc[k]);
   }
 }
 
@@ -742,7 +576,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
       ch[k] = (lane + k * G) * VEC;
       chok[k] = active && ch[k] < d.D;
       if (chok[k]) {
-        load_vec<T, VEC>(grad_out + g * d.D + ch[k], go[k]);
+        load_floats<T, VEC>(grad_out + g * d.D + ch[k], go[k]);
       } else {
 #pragma unroll
         for (int j = 0; j < VEC; ++j) go[k][j] = 0.0f;
@@ -758,7 +592,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
         ach[a] = (lane + a * G) * AV;
         achok[a] = active && ach[a] < d.D;
         if (achok[a]) {
-          load_vec<T, AV>(grad_out + g * d.D + ach[a], goa[a]);
+          load_floats<T, AV>(grad_out + g * d.D + ach[a], goa[a]);
         } else {
 #pragma unroll
           for (int j = 0; j < AV; ++j) goa[a][j] = 0.0f;
@@ -815,7 +649,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
       // branch) and their grad_value atomics (which need no loaded data); phase 2 forms the
       // corner dot products once the loads have landed.
       auto batch = [&](int i0) {
-        RawVec<T, VEC> raw[SB][4][NV];
+        Vec<T, VEC> raw[SB][4][NV];
 #pragma unroll
         for (int j = 0; j < SB; ++j) {
           put_int(lvl, i0 + j, l);
@@ -826,7 +660,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
             const uint64_t ofs = corner_offset(s, c, row_bytes);
 #pragma unroll
             for (int k = 0; k < NV; ++k) {
-              load_raw_if(s.valid[c] && chok[k], byte_offset(vrow, ofs) + ch[k], raw[j][c][k]);
+              raw[j][c][k].load_if(s.valid[c] && chok[k], byte_offset(vrow, ofs) + ch[k]);
             }
           }
           if (!deterministic) {
@@ -868,7 +702,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
 #pragma unroll
             for (int k = 0; k < NV; ++k) {
               float v[VEC];
-              unpack_raw(raw[j][c][k], v);
+              raw[j][c][k].unpack(v);
 #pragma unroll
               for (int e = 0; e < VEC; ++e) dot = __fmaf_rn(go[k][e], v[e], dot);
             }
@@ -908,9 +742,9 @@ __global__ void __launch_bounds__(kBlockMax, 1)
             gy = lv.hf * ws * (hx * (d2 - d0) + s.lx * (d3 - d1));
           }
           const int64_t sflat = g * d.LP + s0 + si;
-          store_scalar(grad_attn + sflat, ga);
+          store_float(grad_attn + sflat, ga);
           const float xy[2] = {gx, gy};
-          store_vec<T, 2>(grad_loc + 2 * sflat, xy);
+          store_floats<T, 2>(grad_loc + 2 * sflat, xy);
           if (deterministic) {
             const int64_t key =
                 s.inside ? key_base + cell_key(lv, ls, s.y0 + 1, s.x0 + 1, d.K, d.L) : key_space;
@@ -941,9 +775,8 @@ __global__ void __launch_bounds__(kBlockMax, 1)
 __global__ void __launch_bounds__(kFillBlock)
     cell_start_kernel(const void* sorted_keys, bool keys_i64, int64_t n, int64_t* cell_start,
                       int64_t n_cells) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c <= n_cells;
-       c += stride) {
+  const int64_t stride = global_threads();
+  for (int64_t c = global_thread(); c <= n_cells; c += stride) {
     int64_t lo = 0, hi = n;
     while (lo < hi) {
       const int64_t mid = lo + ((hi - lo) >> 1);
@@ -1016,18 +849,18 @@ __global__ void __launch_bounds__(kBlockMax)
             const int64_t sflat = perm[i];
             if (sflat < 0 || sflat >= n_samples) continue;
             const int64_t gs = sflat / group_samples;
-            const float x = load_scalar(loc + 2 * sflat), y = load_scalar(loc + 2 * sflat + 1);
+            const float x = load_float(loc + 2 * sflat), y = load_float(loc + 2 * sflat + 1);
             const Bilinear s = bilinear(x, y, lv);
             if (!s.inside || s.y0 != py - 1 + dy || s.x0 != px - 1 + dx) continue;
             const float wy = dy == 0 ? s.ly : 1.0f - s.ly;
             const float wx = dx == 0 ? s.lx : 1.0f - s.lx;
-            const float coef = load_scalar(attn + sflat) * wy * wx;
+            const float coef = load_float(attn + sflat) * wy * wx;
             const T* go = grad_out + gs * d.D;
 #pragma unroll
             for (int k = 0; k < NV; ++k) {
               if (!chok[k]) continue;
               float v[VEC];
-              load_vec<T, VEC>(go + ch[k], v);
+              load_floats<T, VEC>(go + ch[k], v);
 #pragma unroll
               for (int j = 0; j < VEC; ++j) acc[k][j] = __fmaf_rn(coef, v[j], acc[k][j]);
             }
@@ -1038,76 +871,29 @@ __global__ void __launch_bounds__(kBlockMax)
     T* out = grad_value + r * d.D;
 #pragma unroll
     for (int k = 0; k < NV; ++k)
-      if (chok[k]) store_vec<T, VEC>(out + ch[k], acc[k]);
+      if (chok[k]) store_floats<T, VEC>(out + ch[k], acc[k]);
   }
 }
 
-// ----------------------------------------------------------------- fill / cast helpers
-
-__global__ void __launch_bounds__(kFillBlock) zero_kernel(float* __restrict__ p, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t n4 = (reinterpret_cast<uintptr_t>(p) % 16 == 0) ? n / 4 : 0;
-  for (int64_t i = start; i < n4; i += stride) {
-    reinterpret_cast<float4*>(p)[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-  for (int64_t i = 4 * n4 + start; i < n; i += stride) p[i] = 0.0f;
-}
+// ----------------------------------------------------------------------- float32 -> T cast
 
 template <typename T>
 __global__ void __launch_bounds__(kFillBlock)
     cast_kernel(const float* __restrict__ src, T* __restrict__ dst, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = global_threads();
+  const int64_t start = global_thread();
   const bool vec =
       reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 8 == 0;
   const int64_t n4 = vec ? n / 4 : 0;
   for (int64_t i = start; i < n4; i += stride) {
     float v[4];
-    load_vec<float, 4>(src + 4 * i, v);
-    store_vec<T, 4>(dst + 4 * i, v);
+    load_floats<float, 4>(src + 4 * i, v);
+    store_floats<T, 4>(dst + 4 * i, v);
   }
-  for (int64_t i = 4 * n4 + start; i < n; i += stride) store_scalar(dst + i, src[i]);
+  for (int64_t i = 4 * n4 + start; i < n; i += stride) store_float(dst + i, src[i]);
 }
 
 // ------------------------------------------------------------------------------ launchers
-
-enum class DType { kF32, kF16, kBF16 };
-
-DType dtype_of(const TensorView& t, const char* name) {
-  const DLDataType dt = t.dtype();
-  if (same_dtype(dt, kFloat32)) return DType::kF32;
-  if (same_dtype(dt, kFloat16)) return DType::kF16;
-#if MUSPACE_HAS_BF16
-  if (same_dtype(dt, kBFloat16)) return DType::kBF16;
-  TVM_FFI_THROW(TypeError) << name << " must be float32, float16 or bfloat16, got "
-                           << dtype_name(dt);
-#else
-  TVM_FFI_THROW(TypeError) << name
-                           << " must be float32 or float16 (this build has no bfloat16), got "
-                           << dtype_name(dt);
-#endif
-  return DType::kF32;
-}
-
-int elem_size(DType t) { return t == DType::kF32 ? 4 : 2; }
-
-template <typename T = char>
-T* ptr_of(const TensorView& t) {
-  return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
-}
-
-bool aligned(const TensorView& t, int bytes) {
-  return t.numel() == 0 || reinterpret_cast<uintptr_t>(ptr_of(t)) % bytes == 0;
-}
-
-void check_index_tensor(const TensorView& t, const char* name, const TensorView& ref) {
-  check_device(t, name, ref);
-  if (!same_dtype(t.dtype(), kInt32) && !same_dtype(t.dtype(), kInt64)) {
-    TVM_FFI_THROW(TypeError) << name << " must be int32 or int64, got " << dtype_name(t.dtype());
-  }
-  check_contiguous(t, name);
-}
 
 // Vector width per load (elements), vectors per lane, and lanes per group.
 struct Config {
@@ -1124,8 +910,7 @@ int ceil_log2(int64_t n) {
 // Falls back to narrower vectors, then to the generic scalar path, whenever the head dim or the
 // alignment of `aligned_ok(bytes)` does not allow a width.
 template <typename AlignedOk>
-Config choose_config(DType dt, int D, int64_t channels_per_thread, AlignedOk aligned_ok) {
-  const int size = elem_size(dt);
+Config choose_config(int size, int D, int64_t channels_per_thread, AlignedOk aligned_ok) {
   int order[3] = {8, 4, 2};
   if (channels_per_thread == 4) {
     order[0] = 4, order[1] = 2, order[2] = 0;
@@ -1152,18 +937,6 @@ int block_threads(int64_t requested) {
   return static_cast<int>(requested);
 }
 
-int grid_for(int64_t threads, int block) {
-  const int64_t blocks = (threads + block - 1) / block;
-  constexpr int64_t kMaxGrid = 0x7fffffff;
-  return static_cast<int>(blocks < kMaxGrid ? blocks : kMaxGrid);
-}
-
-int fill_grid(int64_t n, int device_id) {
-  const int64_t wanted = (n / 4 + kFillBlock - 1) / kFillBlock + 1;
-  const int64_t cap = static_cast<int64_t>(multiprocessor_count(device_id)) * 16;
-  return static_cast<int>(wanted < cap ? wanted : cap);
-}
-
 // Calls `fn.template run<T, VEC, NV>()` for the chosen configuration.
 template <typename T, typename Fn>
 void dispatch_config(const Config& c, Fn& fn) {
@@ -1175,31 +948,21 @@ void dispatch_config(const Config& c, Fn& fn) {
   TVM_FFI_ICHECK(false) << "no kernel for vec=" << c.vec << " nv=" << c.nv;
 }
 
+// dispatch_config for the dtype of value.
 template <typename Fn>
-void dispatch(DType dt, const Config& c, Fn& fn) {
-  switch (dt) {
-    case DType::kF32:
-      return dispatch_config<float>(c, fn);
-    case DType::kF16:
-      return dispatch_config<half>(c, fn);
-#if MUSPACE_HAS_BF16
-    case DType::kBF16:
-      return dispatch_config<bfloat16>(c, fn);
-#endif
-    default:
-      TVM_FFI_ICHECK(false) << "unsupported dtype";
-  }
+void dispatch(const TensorView& value, const Config& c, Fn& fn) {
+  dispatch_float(value, "value", [&](auto tag) { dispatch_config<decltype(tag)>(c, fn); });
 }
 
 // Shape checks shared by forward and backward. Returns the problem sizes (log2g unset).
 Dims check_problem(const TensorView& value, const TensorView& shapes, const TensorView& starts,
                    const TensorView& loc, const TensorView& attn) {
   check_gpu_tensor(value, "value");
-  dtype_of(value, "value");
+  check_float_dtype(value, "value");
   check_contiguous(value, "value");
   check_ndim(value, "value", 4);
-  check_index_tensor(shapes, "value_spatial_shapes", value);
-  check_index_tensor(starts, "value_level_start_index", value);
+  check_index_input(shapes, "value_spatial_shapes", value);
+  check_index_input(starts, "value_level_start_index", value);
   check_input(loc, "sampling_locations", value, value.dtype());
   check_input(attn, "attention_weights", value, value.dtype());
   check_ndim(shapes, "value_spatial_shapes", 2);
@@ -1256,7 +1019,7 @@ Dims check_problem(const TensorView& value, const TensorView& shapes, const Tens
 }
 
 bool meta_vectorizable(const Dims& d, const TensorView& loc, const TensorView& attn) {
-  return d.LP % kChunk == 0 && aligned(loc, 16) && aligned(attn, 16);
+  return d.LP % kChunk == 0 && is_aligned(loc, 16) && is_aligned(attn, 16);
 }
 
 void check_channels_per_thread(int64_t cpt) {
@@ -1339,8 +1102,6 @@ struct GatherLaunch {
   }
 };
 
-bool is_i64(const TensorView& t) { return same_dtype(t.dtype(), kInt64); }
-
 // ---------------------------------------------------------------------------- entry points
 
 // out[bs, Q, heads * D] (pre-allocated, value's dtype) = MSDA(value, ...). channels_per_thread
@@ -1361,25 +1122,26 @@ void multi_scale_deformable_attn_forward(TensorView value, TensorView spatial_sh
   const int block = block_threads(block_threads_req);
   check_channels_per_thread(channels_per_thread);
   if (d.groups == 0) return;
-  const DType dt = dtype_of(value, "value");
-  const Config cfg = choose_config(dt, d.D, channels_per_thread,
-                                   [&](int b) { return aligned(value, b) && aligned(out, b); });
+  const Config cfg = choose_config(element_bytes(value), d.D, channels_per_thread, [&](int b) {
+    return is_aligned(value, b) && is_aligned(out, b);
+  });
   d.log2g = cfg.log2g;
-  DeviceGuard guard(value.device().device_id);
-  ForwardLaunch launch{ptr_of<const void>(value),
-                       ptr_of<const void>(spatial_shapes),
-                       ptr_of<const void>(level_start_index),
-                       ptr_of<const void>(sampling_locations),
-                       ptr_of<const void>(attention_weights),
-                       ptr_of<void>(out),
-                       is_i64(spatial_shapes),
-                       is_i64(level_start_index),
+  const int device_id = value.device().device_id;
+  DeviceGuard guard(device_id);
+  ForwardLaunch launch{data_of<const void>(value),
+                       data_of<const void>(spatial_shapes),
+                       data_of<const void>(level_start_index),
+                       data_of<const void>(sampling_locations),
+                       data_of<const void>(attention_weights),
+                       data_of<void>(out),
+                       is_int64(spatial_shapes),
+                       is_int64(level_start_index),
                        meta_vectorizable(d, sampling_locations, attention_weights),
                        d,
-                       grid_for(d.groups << d.log2g, block),
+                       grid_for(d.groups << d.log2g, block, device_id, 0),
                        block,
                        as_stream(stream)};
-  dispatch(dt, cfg, launch);
+  dispatch(value, cfg, launch);
 }
 
 // Writes grad_value, grad_sampling_locations and grad_attention_weights in full (pre-allocated,
@@ -1411,15 +1173,14 @@ void multi_scale_deformable_attn_backward(
                    "attention_weights");
   const int block = block_threads(block_threads_req);
   check_channels_per_thread(channels_per_thread);
-  const DType dt = dtype_of(value, "value");
-  const int size = elem_size(dt);
+  const int size = element_bytes(value);
   if (mode < 0 || mode > 2) {
     TVM_FFI_THROW(ValueError) << "mode must be 0 (atomics), 1 (deterministic) or 2 (atomics, "
                                  "merged corners), got "
                               << mode;
   }
   const bool det = mode == 1;
-  const bool use_workspace = !det && dt != DType::kF32;
+  const bool use_workspace = !det && !same_dtype(value.dtype(), kFloat32);
   if (use_workspace) {
     check_input(workspace, "workspace", value, kFloat32);
     if (workspace.numel() != value.numel()) {
@@ -1429,72 +1190,69 @@ void multi_scale_deformable_attn_backward(
   }
   const int64_t key_space = value.size(0) * d.heads * (3 * static_cast<int64_t>(d.K) + 2 * d.L);
   if (det) {
-    check_index_tensor(keys, "keys", value);
+    check_index_input(keys, "keys", value);
     if (keys.numel() != d.groups * d.LP) {
       TVM_FFI_THROW(ValueError) << "keys must have " << d.groups * d.LP
                                 << " elements (one per sample), got " << keys.numel();
     }
-    if (!is_i64(keys) && key_space >= 0x7fffffff) {
+    if (!is_int64(keys) && key_space >= 0x7fffffff) {
       TVM_FFI_THROW(ValueError) << "keys must be int64 when batch * heads * (3 * num_keys + 2 * "
                                    "levels) >= 2^31 - 1, got int32 for "
                                 << key_space;
     }
   }
   // Every store of grad_sampling_locations is an (x, y) pair.
-  if (!aligned(grad_sampling_locations, 2 * size)) {
+  if (!is_aligned(grad_sampling_locations, 2 * size)) {
     TVM_FFI_THROW(ValueError) << "grad_sampling_locations must be aligned to " << 2 * size
                               << " bytes";
   }
   DeviceGuard guard(value.device().device_id);
   const int device_id = value.device().device_id;
   const gpuStream_t s = as_stream(stream);
-  float* gacc = use_workspace ? ptr_of<float>(workspace) : ptr_of<float>(grad_value);
+  float* gacc = use_workspace ? data_of<float>(workspace) : data_of<float>(grad_value);
   const int64_t n_value = value.numel();
-  if (!det && n_value > 0) {
-    zero_kernel<<<fill_grid(n_value, device_id), kFillBlock, 0, s>>>(gacc, n_value);
-    check_launch("multi_scale_deformable_attn zero_kernel");
+  if (!det) {
+    launch_zero(gacc, n_value * 4, device_id, s, "multi_scale_deformable_attn fill (grad_value)");
   }
   if (d.groups > 0) {
-    const Config cfg = choose_config(dt, d.D, channels_per_thread, [&](int b) {
+    const Config cfg = choose_config(size, d.D, channels_per_thread, [&](int b) {
       const int acc_bytes = std::min(16, b / size * 4);  // float vector atomics into gacc
-      return aligned(value, b) && aligned(grad_output, b) &&
+      return is_aligned(value, b) && is_aligned(grad_output, b) &&
              (det || reinterpret_cast<uintptr_t>(gacc) % acc_bytes == 0);
     });
     d.log2g = cfg.log2g;
-    BackwardLaunch launch{ptr_of<const void>(grad_output),
-                          ptr_of<const void>(value),
-                          ptr_of<const void>(spatial_shapes),
-                          ptr_of<const void>(level_start_index),
-                          ptr_of<const void>(sampling_locations),
-                          ptr_of<const void>(attention_weights),
+    BackwardLaunch launch{data_of<const void>(grad_output),
+                          data_of<const void>(value),
+                          data_of<const void>(spatial_shapes),
+                          data_of<const void>(level_start_index),
+                          data_of<const void>(sampling_locations),
+                          data_of<const void>(attention_weights),
                           gacc,
-                          ptr_of<void>(grad_sampling_locations),
-                          ptr_of<void>(grad_attention_weights),
-                          det ? ptr_of<void>(keys) : nullptr,
-                          det && is_i64(keys),
+                          data_of<void>(grad_sampling_locations),
+                          data_of<void>(grad_attention_weights),
+                          det ? data_of<void>(keys) : nullptr,
+                          det && is_int64(keys),
                           key_space,
-                          is_i64(spatial_shapes),
-                          is_i64(level_start_index),
+                          is_int64(spatial_shapes),
+                          is_int64(level_start_index),
                           meta_vectorizable(d, sampling_locations, attention_weights),
                           mode == 2,
                           d,
-                          grid_for(d.groups << d.log2g, block),
+                          grid_for(d.groups << d.log2g, block, device_id, 0),
                           block,
                           s};
-    dispatch(dt, cfg, launch);
+    dispatch(value, cfg, launch);
   }
   if (use_workspace && n_value > 0) {
-    const int grid = fill_grid(n_value, device_id);
-    if (dt == DType::kF16) {
-      cast_kernel<half><<<grid, kFillBlock, 0, s>>>(gacc, ptr_of<half>(grad_value), n_value);
-    }
-#if MUSPACE_HAS_BF16
-    if (dt == DType::kBF16) {
-      cast_kernel<bfloat16>
-          <<<grid, kFillBlock, 0, s>>>(gacc, ptr_of<bfloat16>(grad_value), n_value);
-    }
-#endif
-    check_launch("multi_scale_deformable_attn cast_kernel");
+    // one float4 per thread and step
+    const int grid = grid_for(n_value / 4 + kFillBlock, kFillBlock, device_id, kCastBlocksPerSM);
+    dispatch_float(value, "value", [&](auto tag) {
+      using T = decltype(tag);
+      if constexpr (!std::is_same<T, float>::value) {
+        cast_kernel<T><<<grid, kFillBlock, 0, s>>>(gacc, data_of<T>(grad_value), n_value);
+        check_launch("multi_scale_deformable_attn cast_kernel");
+      }
+    });
   }
 }
 
@@ -1511,7 +1269,7 @@ void multi_scale_deformable_attn_backward_value_deterministic(
   check_grad_output(grad_output, value, d);
   check_input(grad_value, "grad_value", value, value.dtype());
   check_same_shape(grad_value, "grad_value", value, "value");
-  check_index_tensor(sorted_keys, "sorted_keys", value);
+  check_index_input(sorted_keys, "sorted_keys", value);
   check_input(perm, "perm", value, kInt64);
   check_input(cell_start, "cell_start", value, kInt64);
   const int64_t n_samples = d.groups * d.LP;
@@ -1528,37 +1286,35 @@ void multi_scale_deformable_attn_backward_value_deterministic(
   const int block = block_threads(block_threads_req);
   check_channels_per_thread(channels_per_thread);
   if (value.numel() == 0) return;
-  const DType dt = dtype_of(value, "value");
-  DeviceGuard guard(value.device().device_id);
+  const int device_id = value.device().device_id;
+  DeviceGuard guard(device_id);
   const gpuStream_t s = as_stream(stream);
-  const int64_t cs_blocks = (n_cells + 1 + kFillBlock - 1) / kFillBlock;
-  const int64_t cs_cap = static_cast<int64_t>(multiprocessor_count(value.device().device_id)) * 32;
-  cell_start_kernel<<<static_cast<int>(std::min(cs_blocks, cs_cap)), kFillBlock, 0, s>>>(
-      ptr_of<const void>(sorted_keys), is_i64(sorted_keys), n_samples, ptr_of<int64_t>(cell_start),
-      n_cells);
+  cell_start_kernel<<<grid_for(n_cells + 1, kFillBlock, device_id, kCellStartBlocksPerSM),
+                      kFillBlock, 0, s>>>(data_of<const void>(sorted_keys), is_int64(sorted_keys),
+                                          n_samples, data_of<int64_t>(cell_start), n_cells);
   check_launch("multi_scale_deformable_attn cell_start_kernel");
-  const Config cfg = choose_config(dt, d.D, channels_per_thread, [&](int b) {
-    return aligned(grad_value, b) && aligned(grad_output, b);
+  const Config cfg = choose_config(element_bytes(value), d.D, channels_per_thread, [&](int b) {
+    return is_aligned(grad_value, b) && is_aligned(grad_output, b);
   });
   d.log2g = cfg.log2g;
   const int64_t rows = value.size(0) * d.K * d.heads;
-  GatherLaunch launch{ptr_of<const void>(grad_output),
-                      ptr_of<const void>(spatial_shapes),
-                      ptr_of<const void>(level_start_index),
-                      ptr_of<const void>(sampling_locations),
-                      ptr_of<const void>(attention_weights),
-                      ptr_of<const int64_t>(perm),
-                      ptr_of<const int64_t>(cell_start),
+  GatherLaunch launch{data_of<const void>(grad_output),
+                      data_of<const void>(spatial_shapes),
+                      data_of<const void>(level_start_index),
+                      data_of<const void>(sampling_locations),
+                      data_of<const void>(attention_weights),
+                      data_of<const int64_t>(perm),
+                      data_of<const int64_t>(cell_start),
                       n_samples,
-                      ptr_of<void>(grad_value),
+                      data_of<void>(grad_value),
                       static_cast<int>(value.size(0)),
-                      is_i64(spatial_shapes),
-                      is_i64(level_start_index),
+                      is_int64(spatial_shapes),
+                      is_int64(level_start_index),
                       d,
-                      grid_for(rows << d.log2g, block),
+                      grid_for(rows << d.log2g, block, device_id, 0),
                       block,
                       s};
-  dispatch(dt, cfg, launch);
+  dispatch(value, cfg, launch);
 }
 
 // Build facts for the Python side: 1 when this build has bfloat16 kernels.

@@ -6,7 +6,7 @@
 // synchronisation inside; the caller picks them with `flags`:
 //
 //   stage COUNT (the counts are final when it ends)
-//   0. zero_kernel     only when the caller does not vouch for a clean workspace: zero the
+//   0. zero fill       only when the caller does not vouch for a clean workspace: zero the
 //                      header counters, the scan tile states and the cell histogram. Every
 //                      COUNT stage leaves exactly that region zero again (self-cleaning), so a
 //                      workspace reused on one stream needs this launch only once.
@@ -40,9 +40,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+#include <utility>
 
 #include "checks.muh"
+#include "dispatch.muh"
 #include "gpu_compat.muh"
+#include "launch.muh"
 
 namespace muspace {
 namespace {
@@ -66,6 +71,10 @@ constexpr int kHashSlots = 2 * kBlock;  // block-aggregated histogram: open addr
 static_assert((kHashSlots & (kHashSlots - 1)) == 0, "power of two");
 
 constexpr int64_t kInt32Max = 2147483647;
+// Everything is int32: points, cells and sorted entries must each fit it.
+constexpr int64_t kMaxPoints = kInt32Max;   // bev_pool_prepare: coor's points
+constexpr int64_t kMaxCells = kInt32Max;    // B*X*Y*Z (prepare) / n_cells (sort_by_cell)
+constexpr int64_t kMaxEntries = kInt32Max;  // sort_by_cell: cell's entries
 
 // flags of the entry points
 constexpr int64_t kStageCount = 1;       // zero (unless clean) + cells + scan
@@ -119,18 +128,6 @@ Layout make_layout(int64_t n, int64_t n_cells) {
 }
 
 __device__ __forceinline__ int32_t imin(int32_t a, int32_t b) { return a < b ? a : b; }
-__device__ __forceinline__ int64_t grid_thread() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ __forceinline__ int64_t grid_threads() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-// ------------------------------------------------------------------------- 0. zero
-
-__global__ void __launch_bounds__(kBlock) zero_kernel(int32_t* __restrict__ ws, int64_t count) {
-  for (int64_t i = grid_thread(); i < count; i += grid_threads()) ws[i] = 0;
-}
 
 // ------------------------------------------------------------------------- 1. cells + histogram
 
@@ -239,7 +236,7 @@ __global__ void __launch_bounds__(kBlock)
     cells_kernel(CellFn cells, int64_t n, int32_t* __restrict__ hist, int2* __restrict__ cs) {
   const CellFn cell_of = cells.on_device();
   if constexpr (!kAggregate) {
-    for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+    for (int64_t i = global_thread(); i < n; i += global_threads()) {
       const int32_t c = cell_of(i);
       cs[i] = make_int2(c, c >= 0 ? atomicAdd(&hist[c], 1) : -1);
     }
@@ -257,7 +254,7 @@ __global__ void __launch_bounds__(kBlock)
     __syncthreads();
     // Block-uniform loop bounds: every thread takes every barrier.
     for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < n;
-         base += grid_threads()) {
+         base += global_threads()) {
       const int64_t i = base + threadIdx.x;
       const int32_t c = i < n ? cell_of(i) : -1;
       int32_t h = 0, local = 0;
@@ -463,7 +460,7 @@ __global__ void __launch_bounds__(kBlock)
     scatter_kernel(const int2* __restrict__ cs, const int32_t* __restrict__ starts, int64_t n,
                    int32_t n_cells, int32_t* __restrict__ seg, int4* __restrict__ meta,
                    int32_t* header, int32_t* __restrict__ long_list, int32_t long_capacity) {
-  for (int64_t i = grid_thread(); i < n; i += grid_threads()) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
     const int2 v = cs[i];
     const int32_t c = v.x, s = v.y;
     if (c < 0 || c >= n_cells) continue;
@@ -654,18 +651,6 @@ __global__ void __launch_bounds__(kBlock)
 
 // ------------------------------------------------------------------------- host side
 
-int grid_for(int64_t work, int device_id) {
-  const int64_t cap = static_cast<int64_t>(multiprocessor_count(device_id)) * kBlocksPerSm;
-  const int64_t wanted = (work + kBlock - 1) / kBlock;
-  return static_cast<int>(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
-}
-
-void check_output(const TensorView& t, const char* name, const TensorView& ref, int64_t size) {
-  check_input(t, name, ref, kInt32);
-  check_ndim(t, name, 1);
-  check_size(t, name, 0, size);
-}
-
 void check_workspace(const TensorView& ws, const TensorView& ref, const Layout& layout) {
   check_input(ws, "workspace", ref, kInt32);
   check_ndim(ws, "workspace", 1);
@@ -673,9 +658,7 @@ void check_workspace(const TensorView& ws, const TensorView& ref, const Layout& 
     TVM_FFI_THROW(ValueError) << "workspace must hold at least " << layout.total
                               << " int32 (bev_pool_sort_workspace_ints), got " << ws.numel();
   }
-  if (reinterpret_cast<uintptr_t>(ws.data_ptr()) % 16 != 0) {
-    TVM_FFI_THROW(ValueError) << "workspace must be 16-byte aligned";
-  }
+  check_aligned(ws, "workspace", 16);
 }
 
 void check_flags(int64_t flags) {
@@ -719,27 +702,29 @@ struct Pipeline {
   int32_t* at(int64_t offset) const { return ws + offset; }
   int32_t* hist() const { return at(layout.hist); }
   int2* cs() const { return reinterpret_cast<int2*>(at(layout.cs)); }
-  int cells_blocks() const { return grid_for(n, device_id); }
+  // Grid-stride kernels over `work` items.
+  int grid(int64_t work) const { return grid_for(work, kBlock, device_id, kBlocksPerSm); }
 
-  void zero() const {
-    zero_kernel<<<grid_for(layout.zero_end, device_id), kBlock, 0, stream>>>(ws, layout.zero_end);
-    check_launch("bev_pool_prepare zero_kernel");
-  }
-
+  // The COUNT stage, writing the intervals into interval_starts / interval_lengths (int32,
+  // iv_capacity entries each).
   template <typename CellFn>
-  void count(const CellFn& cell_of, int64_t flags, int32_t* iv_starts, int32_t* iv_lengths,
-             int64_t iv_capacity, const HostCounts& host, const char* cells_name) const {
-    if ((flags & kWorkspaceClean) == 0) zero();
+  void count(const CellFn& cell_of, int64_t flags, const TensorView& interval_starts,
+             const TensorView& interval_lengths, int64_t iv_capacity, const HostCounts& host,
+             const char* cells_name) const {
+    if ((flags & kWorkspaceClean) == 0) {
+      launch_zero(ws, layout.zero_end * 4, device_id, stream, "bev_pool_prepare fill (workspace)");
+    }
     if (flags & kPolicyAggregate) {
-      cells_kernel<true><<<cells_blocks(), kBlock, 0, stream>>>(cell_of, n, hist(), cs());
+      cells_kernel<true><<<grid(n), kBlock, 0, stream>>>(cell_of, n, hist(), cs());
     } else {
-      cells_kernel<false><<<cells_blocks(), kBlock, 0, stream>>>(cell_of, n, hist(), cs());
+      cells_kernel<false><<<grid(n), kBlock, 0, stream>>>(cell_of, n, hist(), cs());
     }
     check_launch(cells_name);
     scan_kernel<<<static_cast<unsigned>(layout.n_tiles), kScanBlock, 0, stream>>>(
         hist(), n_cells, static_cast<int32_t>(layout.n_tiles), ws,
-        reinterpret_cast<unsigned long long*>(at(layout.status)), at(layout.starts), iv_starts,
-        iv_lengths, static_cast<int32_t>(iv_capacity), host.counts, host.sequence);
+        reinterpret_cast<unsigned long long*>(at(layout.status)), at(layout.starts),
+        data_of<int32_t>(interval_starts), data_of<int32_t>(interval_lengths),
+        static_cast<int32_t>(iv_capacity), host.counts, host.sequence);
     check_launch("bev_pool_prepare scan_kernel");
   }
 
@@ -747,15 +732,15 @@ struct Pipeline {
   void order(const Emit& out) const {
     const int32_t n32 = static_cast<int32_t>(n);
     int4* meta = reinterpret_cast<int4*>(at(layout.meta));
-    scatter_kernel<<<grid_for(n, device_id), kBlock, 0, stream>>>(
-        cs(), at(layout.starts), n, n_cells, at(layout.seg), meta, ws, at(layout.long_list),
-        static_cast<int32_t>(layout.long_capacity));
+    scatter_kernel<<<grid(n), kBlock, 0, stream>>>(cs(), at(layout.starts), n, n_cells,
+                                                   at(layout.seg), meta, ws, at(layout.long_list),
+                                                   static_cast<int32_t>(layout.long_capacity));
     check_launch("bev_pool_prepare scatter_kernel");
     const int64_t long_cap =
         static_cast<int64_t>(multiprocessor_count(device_id)) * kLongBlocksPerSm;
     const int32_t long_blocks =
         static_cast<int32_t>(layout.long_capacity < long_cap ? layout.long_capacity : long_cap);
-    const int blocks = long_blocks + grid_for(n, device_id);
+    const int blocks = long_blocks + grid(n);
     int32_t* scratch = at(layout.cs);  // cs is dead after the scatter: 2n ints of scratch
     emit_kernel<kPrepare><<<blocks, kBlock, 0, stream>>>(
         at(layout.seg), meta, at(layout.starts), ws, at(layout.long_list),
@@ -772,9 +757,9 @@ int64_t checked_cells(int64_t batch, int64_t x, int64_t y, int64_t z) {
   }
   int64_t cells = batch;
   for (int64_t f : {x, y, z}) {
-    if (f > kInt32Max || (cells > 0 && cells > kInt32Max / f)) {
+    if (f > kMaxCells || (cells > 0 && cells > kMaxCells / f)) {
       TVM_FFI_THROW(ValueError) << "B*X*Y*Z = " << batch << "*" << x << "*" << y << "*" << z
-                                << " cells exceeds the int32 range of ranks_bev (" << kInt32Max
+                                << " cells exceeds the int32 range of ranks_bev (" << kMaxCells
                                 << ")";
     }
     cells *= f;
@@ -791,15 +776,51 @@ FrustumCells<Coord> frustum_cells(const void* coor, int32_t per_batch, const Gri
   return f;
 }
 
+// The checks both entry points share after their own: flags, host_counts, the int32 outputs
+// (`first`: ranks_bev / order, then the interval arrays) and the workspace; then the pipeline
+// (nothing to launch when n == 0 or n_cells == 0: empty result).
+struct Checked {
+  Layout layout;
+  HostCounts host;
+  int64_t iv_capacity;
+};
+
+Checked check_outputs(const TensorView& ref, int64_t n, int64_t n_cells, int64_t flags,
+                      int64_t host_counts, int64_t sequence,
+                      std::initializer_list<std::pair<const TensorView*, const char*>> per_point,
+                      const TensorView& interval_starts, const TensorView& interval_lengths,
+                      const TensorView& workspace) {
+  check_flags(flags);
+  Checked c;
+  c.host = host_counts_arg(host_counts, sequence);
+  c.iv_capacity = n < n_cells ? n : n_cells;
+  for (const auto& [t, name] : per_point) check_vector(*t, name, ref, kInt32, n);
+  check_vector(interval_starts, "interval_starts", ref, kInt32, c.iv_capacity);
+  check_vector(interval_lengths, "interval_lengths", ref, kInt32, c.iv_capacity);
+  c.layout = make_layout(n, n_cells);
+  check_workspace(workspace, ref, c.layout);
+  return c;
+}
+
+Pipeline pipeline(const Checked& c, const TensorView& workspace, const TensorView& ref, int64_t n,
+                  int64_t n_cells, int64_t stream) {
+  return Pipeline{c.layout,
+                  data_of<int32_t>(workspace),
+                  n,
+                  static_cast<int32_t>(n_cells),
+                  ref.device().device_id,
+                  as_stream(stream)};
+}
+
 // --------------------------------------------------------------------------- entry points
 
 // Size in int32 of the workspace both entry points need for n points and n_cells cells.
 int64_t bev_pool_sort_workspace_ints(int64_t n, int64_t n_cells) {
-  if (n < 0 || n > kInt32Max) {
-    TVM_FFI_THROW(ValueError) << "n must be in [0, " << kInt32Max << "], got " << n;
+  if (n < 0 || n > kMaxEntries) {
+    TVM_FFI_THROW(ValueError) << "n must be in [0, " << kMaxEntries << "], got " << n;
   }
-  if (n_cells < 0 || n_cells > kInt32Max) {
-    TVM_FFI_THROW(ValueError) << "n_cells must be in [0, " << kInt32Max << "], got " << n_cells;
+  if (n_cells < 0 || n_cells > kMaxCells) {
+    TVM_FFI_THROW(ValueError) << "n_cells must be in [0, " << kMaxCells << "], got " << n_cells;
   }
   return make_layout(n, n_cells).total;
 }
@@ -819,17 +840,14 @@ void bev_pool_prepare_forward(TensorView coor, TensorView workspace, TensorView 
                               int64_t grid_z, int64_t flags, int64_t host_counts, int64_t sequence,
                               int64_t stream) {
   check_gpu_tensor(coor, "coor");
-  const DLDataType dt = coor.dtype();
-  if (!same_dtype(dt, kFloat32) && !same_dtype(dt, kFloat16) && !same_dtype(dt, kBFloat16)) {
-    TVM_FFI_THROW(TypeError) << "coor must be float32, float16 or bfloat16, got " << dtype_name(dt);
-  }
+  check_float_dtype<Bf16::kBits>(coor, "coor");
   check_contiguous(coor, "coor");
   check_ndim(coor, "coor", 6);
   check_size(coor, "coor", 5, 3);
   const int64_t n = coor.numel() / 3;
-  if (n > kInt32Max) {
+  if (n > kMaxPoints) {
     TVM_FFI_THROW(ValueError) << "coor has " << n << " points; int32 ranks allow at most "
-                              << kInt32Max;
+                              << kMaxPoints;
   }
   const int64_t n_cells = checked_cells(coor.size(0), grid_x, grid_y, grid_z);
   const float lower[3] = {lower_x, lower_y, lower_z};
@@ -842,23 +860,14 @@ void bev_pool_prepare_forward(TensorView coor, TensorView workspace, TensorView 
       TVM_FFI_THROW(ValueError) << "grid_interval must be positive and finite, got " << interval[a];
     }
   }
-  check_flags(flags);
-  const HostCounts host = host_counts_arg(host_counts, sequence);
-  const int64_t iv_capacity = n < n_cells ? n : n_cells;
-  check_output(ranks_bev, "ranks_bev", coor, n);
-  check_output(ranks_depth, "ranks_depth", coor, n);
-  check_output(ranks_feat, "ranks_feat", coor, n);
-  check_output(interval_starts, "interval_starts", coor, iv_capacity);
-  check_output(interval_lengths, "interval_lengths", coor, iv_capacity);
-  const Layout layout = make_layout(n, n_cells);
-  check_workspace(workspace, coor, layout);
+  const Checked c = check_outputs(
+      coor, n, n_cells, flags, host_counts, sequence,
+      {{&ranks_bev, "ranks_bev"}, {&ranks_depth, "ranks_depth"}, {&ranks_feat, "ranks_feat"}},
+      interval_starts, interval_lengths, workspace);
   if (n == 0) return;
 
-  const int device_id = coor.device().device_id;
-  DeviceGuard guard(device_id);
-  const Pipeline pipe{layout,    static_cast<int32_t*>(workspace.data_ptr()),
-                      n,         static_cast<int32_t>(n_cells),
-                      device_id, as_stream(stream)};
+  DeviceGuard guard(coor.device().device_id);
+  const Pipeline pipe = pipeline(c, workspace, coor, n, n_cells, stream);
   if (flags & kStageCount) {
     Grid grid;
     for (int a = 0; a < 3; ++a) {
@@ -869,25 +878,20 @@ void bev_pool_prepare_forward(TensorView coor, TensorView workspace, TensorView 
     grid.size[1] = static_cast<int32_t>(grid_y);
     grid.size[2] = static_cast<int32_t>(grid_z);
     const int32_t per_batch = static_cast<int32_t>(n / coor.size(0));
-    int32_t* iv_s = static_cast<int32_t*>(interval_starts.data_ptr());
-    int32_t* iv_l = static_cast<int32_t*>(interval_lengths.data_ptr());
-    const char* name = "bev_pool_prepare cells_kernel";
-    if (same_dtype(dt, kFloat32)) {
-      pipe.count(frustum_cells<CoordF32>(coor.data_ptr(), per_batch, grid), flags, iv_s, iv_l,
-                 iv_capacity, host, name);
-    } else if (same_dtype(dt, kFloat16)) {
-      pipe.count(frustum_cells<CoordF16>(coor.data_ptr(), per_batch, grid), flags, iv_s, iv_l,
-                 iv_capacity, host, name);
-    } else {
-      pipe.count(frustum_cells<CoordBF16>(coor.data_ptr(), per_batch, grid), flags, iv_s, iv_l,
-                 iv_capacity, host, name);
-    }
+    dispatch_float<Bf16::kBits>(coor, "coor", [&](auto tag) {
+      using S = decltype(tag);
+      using Coord =
+          std::conditional_t<std::is_same<S, float>::value, CoordF32,
+                             std::conditional_t<std::is_same<S, half>::value, CoordF16, CoordBF16>>;
+      pipe.count(frustum_cells<Coord>(data_of(coor), per_batch, grid), flags, interval_starts,
+                 interval_lengths, c.iv_capacity, c.host, "bev_pool_prepare cells_kernel");
+    });
   }
   if (flags & kStageOrder) {
     Emit out;
-    out.first = static_cast<int32_t*>(ranks_bev.data_ptr());
-    out.depth = static_cast<int32_t*>(ranks_depth.data_ptr());
-    out.feat = static_cast<int32_t*>(ranks_feat.data_ptr());
+    out.first = data_of<int32_t>(ranks_bev);
+    out.depth = data_of<int32_t>(ranks_depth);
+    out.feat = data_of<int32_t>(ranks_feat);
     out.dhw = static_cast<int32_t>(coor.size(2) * coor.size(3) * coor.size(4));
     out.hw = static_cast<int32_t>(coor.size(3) * coor.size(4));
     pipe.order<true>(out);
@@ -902,52 +906,35 @@ void sort_by_cell_forward(TensorView cell, TensorView workspace, TensorView orde
                           TensorView interval_starts, TensorView interval_lengths, int64_t n_cells,
                           int64_t flags, int64_t host_counts, int64_t sequence, int64_t stream) {
   check_gpu_tensor(cell, "cell");
-  const DLDataType dt = cell.dtype();
-  if (!same_dtype(dt, kInt32) && !same_dtype(dt, kInt64)) {
-    TVM_FFI_THROW(TypeError) << "cell must be int32 or int64, got " << dtype_name(dt);
-  }
+  check_index_dtype(cell, "cell");
   check_contiguous(cell, "cell");
   check_ndim(cell, "cell", 1);
   const int64_t n = cell.numel();
-  if (n > kInt32Max) {
+  if (n > kMaxEntries) {
     TVM_FFI_THROW(ValueError) << "cell has " << n << " entries; int32 order allows at most "
-                              << kInt32Max;
+                              << kMaxEntries;
   }
-  if (n_cells < 0 || n_cells > kInt32Max) {
-    TVM_FFI_THROW(ValueError) << "n_cells must be in [0, " << kInt32Max << "], got " << n_cells;
+  if (n_cells < 0 || n_cells > kMaxCells) {
+    TVM_FFI_THROW(ValueError) << "n_cells must be in [0, " << kMaxCells << "], got " << n_cells;
   }
-  check_flags(flags);
-  const HostCounts host = host_counts_arg(host_counts, sequence);
-  const int64_t iv_capacity = n < n_cells ? n : n_cells;
-  check_output(order, "order", cell, n);
-  check_output(interval_starts, "interval_starts", cell, iv_capacity);
-  check_output(interval_lengths, "interval_lengths", cell, iv_capacity);
-  const Layout layout = make_layout(n, n_cells);
-  check_workspace(workspace, cell, layout);
+  const Checked c =
+      check_outputs(cell, n, n_cells, flags, host_counts, sequence, {{&order, "order"}},
+                    interval_starts, interval_lengths, workspace);
   if (n == 0 || n_cells == 0) return;
 
-  const int device_id = cell.device().device_id;
-  DeviceGuard guard(device_id);
-  const Pipeline pipe{layout,    static_cast<int32_t*>(workspace.data_ptr()),
-                      n,         static_cast<int32_t>(n_cells),
-                      device_id, as_stream(stream)};
+  DeviceGuard guard(cell.device().device_id);
+  const Pipeline pipe = pipeline(c, workspace, cell, n, n_cells, stream);
   if (flags & kStageCount) {
-    int32_t* iv_s = static_cast<int32_t*>(interval_starts.data_ptr());
-    int32_t* iv_l = static_cast<int32_t*>(interval_lengths.data_ptr());
-    const char* name = "sort_by_cell cells_kernel";
-    if (same_dtype(dt, kInt32)) {
-      pipe.count(GivenCells<int32_t>{static_cast<const int32_t*>(cell.data_ptr()),
-                                     static_cast<int32_t>(n_cells)},
-                 flags, iv_s, iv_l, iv_capacity, host, name);
-    } else {
-      pipe.count(GivenCells<int64_t>{static_cast<const int64_t*>(cell.data_ptr()),
-                                     static_cast<int32_t>(n_cells)},
-                 flags, iv_s, iv_l, iv_capacity, host, name);
-    }
+    dispatch_index(cell, "cell", [&](auto tag) {
+      using I = decltype(tag);
+      pipe.count(GivenCells<I>{data_of<const I>(cell), static_cast<int32_t>(n_cells)}, flags,
+                 interval_starts, interval_lengths, c.iv_capacity, c.host,
+                 "sort_by_cell cells_kernel");
+    });
   }
   if (flags & kStageOrder) {
     Emit out;
-    out.first = static_cast<int32_t*>(order.data_ptr());
+    out.first = data_of<int32_t>(order);
     out.depth = nullptr;
     out.feat = nullptr;
     out.dhw = 1;

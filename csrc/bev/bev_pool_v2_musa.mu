@@ -55,14 +55,15 @@
 #include <type_traits>
 
 #include "checks.muh"
+#include "dispatch.muh"
 #include "gpu_compat.muh"
+#include "launch.muh"
+#include "vec.muh"
 #include "vector_atomics.muh"
 
 namespace muspace {
 namespace bev_pool_v2 {
 namespace {
-
-using tvm::ffi::Optional;
 
 // ------------------------------------------------------------------------------- launch policy
 
@@ -90,11 +91,11 @@ constexpr int kMinPointsPerSlot = 4;   // ... and at least 4 (amortises the sear
 // by a grid-wide fill before the kernel instead of by their owning blocks, because one block
 // could own almost all of them. (The forward always zero-fills its output first.)
 constexpr int64_t kSparseKeysPerPoint = 4;
-constexpr int kZeroFillMaxBlocks = 4096;
 constexpr int kNotFound = INT_MAX;
 // Points are int32 indices; the margin keeps `index + search span` inside int32.
 constexpr int64_t kMaxPoints = (int64_t{1} << 30);
 constexpr int64_t kMaxChannels = (int64_t{1} << 20);  // keeps grid.y and channel products small
+constexpr int64_t kMaxCells = INT_MAX;                // B*Z*Y*X: ranks_bev is int32
 
 // Shared-memory window (elements of T) next to the slots' float32 partial sums.
 template <typename T, int VEC>
@@ -108,94 +109,6 @@ template <typename T>
 constexpr int backward_stage_elems() {
   return (kSmemBudget - kSmemMisc - 2 * kUnroll * kThreads * static_cast<int>(sizeof(float))) /
          static_cast<int>(sizeof(T));
-}
-
-// --------------------------------------------------------------------------- element helpers
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ float to_float<half>(half x) {
-  return __half2float(x);
-}
-#if MUSPACE_HAS_BF16
-template <>
-__device__ __forceinline__ float to_float<bfloat16>(bfloat16 x) {
-  return __bfloat162float(x);
-}
-#endif
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ half from_float<half>(float x) {
-  return __float2half_rn(x);
-}
-#if MUSPACE_HAS_BF16
-template <>
-__device__ __forceinline__ bfloat16 from_float<bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-#endif
-
-template <int BYTES>
-struct RawVec;
-template <>
-struct RawVec<16> {
-  using type = uint4;
-};
-template <>
-struct RawVec<8> {
-  using type = uint2;
-};
-template <>
-struct RawVec<4> {
-  using type = unsigned int;
-};
-template <>
-struct RawVec<2> {
-  using type = unsigned short;
-};
-
-// VEC consecutive elements as one load; the host picks VEC so that every row start is aligned.
-// Rows stay packed (16-bit types: 8 values in 4 registers) until they are consumed.
-template <typename T, int VEC>
-using Packed = typename RawVec<sizeof(T) * VEC>::type;
-
-template <typename T, int VEC>
-__device__ __forceinline__ Packed<T, VEC> load_packed(const T* __restrict__ p) {
-  return *reinterpret_cast<const Packed<T, VEC>*>(p);
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void unpack(const Packed<T, VEC>& raw, float (&v)[VEC]) {
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) v[k] = to_float(e[k]);
-}
-
-// All-zero bits are 0.0 in float32, float16 and bfloat16.
-template <typename T, int VEC>
-__device__ __forceinline__ Packed<T, VEC> zero_packed() {
-  return Packed<T, VEC>{};
-}
-
-template <typename T, int VEC>
-__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&v)[VEC]) {
-  using Raw = typename RawVec<sizeof(T) * VEC>::type;
-  Raw raw;
-  T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-  for (int k = 0; k < VEC; ++k) e[k] = from_float<T>(v[k]);
-  *reinterpret_cast<Raw*>(p) = raw;
 }
 
 __device__ __forceinline__ int clamp_key(int key, int n_keys) { return min(max(key, 0), n_keys); }
@@ -224,15 +137,14 @@ struct FeatGather {
     row = ranks_feat[j];
     widx = kHasDepth ? ranks_depth[j] : 0;
   }
-  __device__ __forceinline__ void gather(int row, int widx, int c, float& w,
-                                         Packed<T, VEC>& v) const {
+  __device__ __forceinline__ void gather(int row, int widx, int c, float& w, Vec<T, VEC>& v) const {
     w = 0.0f;
-    v = zero_packed<T, VEC>();
+    v = Vec<T, VEC>::zero();
     const bool ok = static_cast<unsigned>(row) < static_cast<unsigned>(n_rows) &&
                     (!kHasDepth || static_cast<unsigned>(widx) < static_cast<unsigned>(n_depth));
     if (!ok) return;  // a bad point contributes nothing
     w = kHasDepth ? to_float(depth[widx]) : 1.0f;
-    v = load_packed<T, VEC>(rows + static_cast<int64_t>(row) * channels + c);
+    v = Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
   }
 };
 
@@ -264,15 +176,14 @@ struct GradRowGather {
     row = ranks_bev[o];
     widx = kHasDepth ? ranks_depth[o] : 0;
   }
-  __device__ __forceinline__ void gather(int row, int widx, int c, float& w,
-                                         Packed<T, VEC>& v) const {
+  __device__ __forceinline__ void gather(int row, int widx, int c, float& w, Vec<T, VEC>& v) const {
     w = 0.0f;
-    v = zero_packed<T, VEC>();
+    v = Vec<T, VEC>::zero();
     const bool ok = static_cast<unsigned>(row) < static_cast<unsigned>(n_cells) &&
                     (!kHasDepth || static_cast<unsigned>(widx) < static_cast<unsigned>(n_depth));
     if (!ok) return;
     w = kHasDepth ? to_float(depth[widx]) : 1.0f;
-    v = load_packed<T, VEC>(rows + static_cast<int64_t>(row) * channels + c);
+    v = Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
   }
 };
 
@@ -354,7 +265,7 @@ struct Rows {
   __device__ __forceinline__ int z0() const { return lo; }
   __device__ __forceinline__ void emit(int x, int lane_c, const float (&v)[VEC]) const {
     if (x < 0 || x >= n_keys) return;
-    store_vec<T, VEC>(out + x * channels + c_begin + lane_c, v);
+    Vec<T, VEC>::pack(v).store(out + x * channels + c_begin + lane_c);
     if (lane_c == 0) mark(bitmap, z0(), x);
   }
   __device__ void flush() const {}
@@ -452,12 +363,12 @@ __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, i
     for (int i = a; i < b; i += kUnroll) {
       int ck[kUnroll];
       float w[kUnroll];
-      Packed<T, VEC> v[kUnroll];
+      Vec<T, VEC> v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         ck[u] = cur;
         w[u] = 0.0f;
-        v[u] = zero_packed<T, VEC>();
+        v[u] = Vec<T, VEC>::zero();
         if (i + u < b) {
           ck[u] = gat.key(i + u);
           gat.gather(nr[u], nw[u], row_c, w[u], v[u]);
@@ -484,7 +395,7 @@ __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, i
           for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
         }
         float f[VEC];
-        unpack<T, VEC>(v[u], f);
+        v[u].unpack(f);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) acc[e] = fmaf(w[u], f[e], acc[e]);  // w = 0 past b
       }
@@ -703,12 +614,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) dot[u] = 0.0f;
     for (int chunk = lane; chunk < n_chunks; chunk += G) {
-      Packed<T, VEC> fp[kUnroll];
+      Vec<T, VEC> fp[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        fp[u] = zero_packed<T, VEC>();
+        fp[u] = Vec<T, VEC>::zero();
         if (kDepthGrad && ok[u]) {
-          fp[u] = load_packed<T, VEC>(feat + static_cast<int64_t>(cr[u]) * channels + chunk * VEC);
+          fp[u] = Vec<T, VEC>::load(feat + static_cast<int64_t>(cr[u]) * channels + chunk * VEC);
         }
       }
 #pragma unroll
@@ -719,7 +630,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
         for (int e = 0; e < VEC; ++e) g[e] = grad_at(ck[u], chunk * VEC + e);
         if (kDepthGrad) {
           float f[VEC];
-          unpack<T, VEC>(fp[u], f);
+          fp[u].unpack(f);
 #pragma unroll
           for (int e = 0; e < VEC; ++e) dot[u] = fmaf(g[e], f[e], dot[u]);
         }
@@ -746,86 +657,31 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
   }
 }
 
-// Zeroes n_bytes at p (any alignment): 16-byte stores for the aligned body, bytes at the ends.
-__global__ void zero_fill_kernel(unsigned char* __restrict__ p, int64_t n_bytes) {
-  const int64_t misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) % 16);
-  const int64_t head = min(n_bytes, (16 - misalign) % 16);
-  const int64_t n_vec = (n_bytes - head) / 16;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  uint4* body = reinterpret_cast<uint4*>(p + head);
-  for (int64_t i = tid; i < n_vec; i += stride) body[i] = make_uint4(0u, 0u, 0u, 0u);
-  if (tid < head) p[tid] = 0;
-  for (int64_t i = head + n_vec * 16 + tid; i < n_bytes; i += stride) p[i] = 0;
-}
-
 // ------------------------------------------------------------------------------ host helpers
-
-enum class Elem { kF32, kF16, kBF16 };
-
-Elem elem_of(const TensorView& t, const char* name) {
-  const DLDataType d = t.dtype();
-  if (same_dtype(d, kFloat32)) return Elem::kF32;
-  if (same_dtype(d, kFloat16)) return Elem::kF16;
-#if MUSPACE_HAS_BF16
-  if (same_dtype(d, kBFloat16)) return Elem::kBF16;
-  TVM_FFI_THROW(TypeError) << name << " must be float32, float16 or bfloat16, got "
-                           << dtype_name(d);
-#else
-  TVM_FFI_THROW(TypeError) << name
-                           << " must be float32 or float16 (this build has no bfloat16), got "
-                           << dtype_name(d);
-#endif
-  return Elem::kF32;
-}
-
-int elem_bytes(Elem e) { return e == Elem::kF32 ? 4 : 2; }
 
 // Widest vector (16, 8, 4 or 2 bytes) that divides a row and every row pointer's alignment.
 // Instantiated widths: float32 {4, 1}; 16-bit {8, 2, 1} elements.
-int pick_vec(Elem e, int64_t channels, std::initializer_list<const void*> ptrs) {
-  const int eb = elem_bytes(e);
+int pick_vec(int elem_bytes, int64_t channels, std::initializer_list<const void*> ptrs) {
   const int candidates_f32[] = {4, 1};
   const int candidates_16[] = {8, 2, 1};
-  const int* cand = e == Elem::kF32 ? candidates_f32 : candidates_16;
-  const int n = e == Elem::kF32 ? 2 : 3;
+  const int* cand = elem_bytes == 4 ? candidates_f32 : candidates_16;
+  const int n = elem_bytes == 4 ? 2 : 3;
   for (int k = 0; k < n; ++k) {
     const int vec = cand[k];
     bool ok = channels % vec == 0;
-    for (const void* p : ptrs) ok = ok && reinterpret_cast<uintptr_t>(p) % (vec * eb) == 0;
+    for (const void* p : ptrs) ok = ok && reinterpret_cast<uintptr_t>(p) % (vec * elem_bytes) == 0;
     if (ok) return vec;
   }
   return 1;
 }
 
-template <class F>
-void dispatch_elem(Elem e, F&& f) {
-  switch (e) {
-    case Elem::kF32:
-      f(float{});
-      break;
-    case Elem::kF16:
-      f(half{});
-      break;
-#if MUSPACE_HAS_BF16
-    case Elem::kBF16:
-      f(bfloat16{});
-      break;
-#endif
-    default:
-      TVM_FFI_ICHECK(false) << "unreachable dtype";
-  }
-}
-
+// f(std::integral_constant<int, VEC>) for a width pick_vec chose.
 template <typename T, class F>
 void dispatch_vec(int vec, F&& f) {
   if constexpr (sizeof(T) == 4) {
-    if (vec == 4) return f(std::integral_constant<int, 4>{});
-    return f(std::integral_constant<int, 1>{});
+    dispatch_int<4, 1>(vec, f);
   } else {
-    if (vec == 8) return f(std::integral_constant<int, 8>{});
-    if (vec == 2) return f(std::integral_constant<int, 2>{});
-    return f(std::integral_constant<int, 1>{});
+    dispatch_int<8, 2, 1>(vec, f);
   }
 }
 
@@ -855,24 +711,46 @@ int points_per_block_for(int64_t n_points, int64_t n_keys, int window, int lanes
 }
 
 int clamp_int(int64_t v) { return static_cast<int>(std::min<int64_t>(v, INT_MAX)); }
-void* data_or_null(const Optional<TensorView>& t) {
-  return t.has_value() ? (*t).data_ptr() : nullptr;
-}
-int64_t numel_or_zero(const Optional<TensorView>& t) { return t.has_value() ? (*t).numel() : 0; }
 
-void check_ranks(const TensorView& t, const char* name, const TensorView& ref, int64_t n) {
-  check_input(t, name, ref, kInt32);
-  check_ndim(t, name, 1);
-  check_size(t, name, 0, n);
-}
+// What every entry point checks: the feat-like tensor (feat, or grad_feat for the sorted
+// kernel: float dtype, contiguous, [..., C]) and the point arrays (int32 [n], on its device;
+// depth / ranks_depth both or neither, depth in its dtype).
+struct Points {
+  int64_t n;  // points
+  int64_t channels;
+  bool has_depth;
+};
 
-int64_t checked_points(const TensorView& ranks_bev) {
-  const int64_t n = ranks_bev.size(0);
-  if (n > kMaxPoints) {
-    TVM_FFI_THROW(ValueError) << "ranks_bev has " << n << " points; at most " << kMaxPoints
+Points check_points(const TensorView& feat, const char* feat_name,
+                    const Optional<TensorView>& depth, const Optional<TensorView>& ranks_depth,
+                    const TensorView& ranks_feat, const TensorView& ranks_bev) {
+  check_gpu_tensor(feat, feat_name);
+  check_float_dtype(feat, feat_name);
+  check_contiguous(feat, feat_name);
+  if (feat.ndim() < 2) {
+    TVM_FFI_THROW(ValueError) << "feat must be at least 2-D [..., C], got " << feat.ndim() << "-D";
+  }
+  Points p;
+  p.channels = feat.size(feat.ndim() - 1);
+  if (p.channels > kMaxChannels) {
+    TVM_FFI_THROW(ValueError) << "feat has " << p.channels << " channels; at most " << kMaxChannels
                               << " are supported";
   }
-  return n;
+  check_together(depth, "depth", ranks_depth, "ranks_depth");
+  p.has_depth = depth.has_value();
+  check_input(ranks_bev, "ranks_bev", feat, kInt32);
+  check_ndim(ranks_bev, "ranks_bev", 1);
+  p.n = ranks_bev.size(0);
+  if (p.n > kMaxPoints) {
+    TVM_FFI_THROW(ValueError) << "ranks_bev has " << p.n << " points; at most " << kMaxPoints
+                              << " are supported";
+  }
+  check_vector(ranks_feat, "ranks_feat", feat, kInt32, p.n);
+  if (p.has_depth) {
+    check_like(*depth, "depth", feat, feat_name);
+    check_vector(*ranks_depth, "ranks_depth", feat, kInt32, p.n);
+  }
+  return p;
 }
 
 // Cells of out [B, C, Z, Y, X] (or grad_out): B*Z*Y*X must fit the int32 ranks_bev.
@@ -882,33 +760,12 @@ void out_geometry(const TensorView& out, const char* name, int64_t channels, int
   check_size(out, name, 1, channels);
   const int64_t per_batch = out.size(2) * out.size(3) * out.size(4);
   const int64_t cells = out.size(0) * per_batch;
-  if (cells > INT_MAX) {
+  if (cells > kMaxCells) {
     TVM_FFI_THROW(ValueError) << name << ": B*Z*Y*X = " << cells
                               << " cells exceed the int32 range of ranks_bev";
   }
   *n_cells = static_cast<int>(cells);
   *cells_per_batch = static_cast<int>(per_batch);
-}
-
-int64_t feat_channels(const TensorView& feat) {
-  if (feat.ndim() < 2) {
-    TVM_FFI_THROW(ValueError) << "feat must be at least 2-D [..., C], got " << feat.ndim() << "-D";
-  }
-  const int64_t channels = feat.size(feat.ndim() - 1);
-  if (channels > kMaxChannels) {
-    TVM_FFI_THROW(ValueError) << "feat has " << channels << " channels; at most " << kMaxChannels
-                              << " are supported";
-  }
-  return channels;
-}
-
-void launch_zero(void* p, int64_t n_bytes, gpuStream_t stream) {
-  if (n_bytes == 0) return;
-  const int64_t blocks =
-      std::min<int64_t>((n_bytes / 16 + kThreads) / kThreads, kZeroFillMaxBlocks);
-  zero_fill_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
-      static_cast<unsigned char*>(p), n_bytes);
-  check_launch("bev_pool_v2 zero_fill_kernel");
 }
 
 // ------------------------------------------------------------------------------ entry points
@@ -918,67 +775,49 @@ void launch_zero(void* p, int64_t n_bytes, gpuStream_t stream) {
 void forward(Optional<TensorView> depth, TensorView feat, Optional<TensorView> ranks_depth,
              TensorView ranks_feat, TensorView ranks_bev, TensorView out, int64_t points_per_block,
              int64_t stream) {
-  check_gpu_tensor(feat, "feat");
-  const Elem elem = elem_of(feat, "feat");
-  check_contiguous(feat, "feat");
-  const int64_t channels = feat_channels(feat);
-  if (depth.has_value() != ranks_depth.has_value()) {
-    TVM_FFI_THROW(ValueError) << "depth and ranks_depth must be given together (or both None)";
-  }
-  const bool has_depth = depth.has_value();
-  const int64_t n = checked_points(ranks_bev);
-  check_ranks(ranks_bev, "ranks_bev", feat, n);
-  check_ranks(ranks_feat, "ranks_feat", feat, n);
-  if (has_depth) {
-    check_device(*depth, "depth", feat);
-    check_same_dtype(*depth, "depth", feat, "feat");
-    check_contiguous(*depth, "depth");
-    check_ranks(*ranks_depth, "ranks_depth", feat, n);
-  }
-  check_device(out, "out", feat);
-  check_same_dtype(out, "out", feat, "feat");
-  check_contiguous(out, "out");
+  const Points pts = check_points(feat, "feat", depth, ranks_depth, ranks_feat, ranks_bev);
+  const int64_t n = pts.n, channels = pts.channels;
+  check_like(out, "out", feat, "feat");
   int n_cells = 0, cells_per_batch = 0;
   out_geometry(out, "out", channels, &n_cells, &cells_per_batch);
   if (out.numel() == 0) return;
-  DeviceGuard guard(feat.device().device_id);
+  const int device_id = feat.device().device_id;
+  DeviceGuard guard(device_id);
   const gpuStream_t s = as_stream(stream);
-  if (n == 0) return launch_zero(out.data_ptr(), out.numel() * elem_bytes(elem), s);
+  const int64_t out_bytes = out.numel() * element_bytes(out);
+  if (n == 0) return launch_zero(data_of(out), out_bytes, device_id, s, "bev_pool_v2 fill (out)");
 
-  const int vec = pick_vec(elem, channels, {feat.data_ptr()});
-  dispatch_elem(elem, [&](auto tag) {
+  const int vec = pick_vec(element_bytes(feat), channels, {data_of(feat)});
+  dispatch_float(feat, "feat", [&](auto tag) {
     using T = decltype(tag);
     dispatch_vec<T>(vec, [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const int tile_c = static_cast<int>(std::min<int64_t>(channels, kMaxLanes * VEC));
       const int window = window_cells_for(stage_elems<T, VEC>(), tile_c);
-      const int ppb = points_per_block_for(n, n_cells, window, tile_c / VEC,
-                                           feat.device().device_id, points_per_block);
+      const int ppb =
+          points_per_block_for(n, n_cells, window, tile_c / VEC, device_id, points_per_block);
       const dim3 grid(static_cast<unsigned>((n + ppb - 1) / ppb),
                       static_cast<unsigned>((channels / VEC + kMaxLanes - 1) / kMaxLanes));
-      launch_zero(out.data_ptr(), out.numel() * static_cast<int64_t>(sizeof(T)), s);
-      auto launch = [&](auto depth_tag) {
-        constexpr bool kHasDepth = decltype(depth_tag)::value;
-        FeatGather<T, VEC, kHasDepth> gat;
-        gat.depth = kHasDepth ? static_cast<const T*>(data_or_null(depth)) : nullptr;
-        gat.rows = static_cast<const T*>(feat.data_ptr());
-        gat.ranks_depth = kHasDepth ? static_cast<const int*>(data_or_null(ranks_depth)) : nullptr;
-        gat.ranks_feat = static_cast<const int*>(ranks_feat.data_ptr());
-        gat.keys = static_cast<const int*>(ranks_bev.data_ptr());
-        gat.n_depth = clamp_int(numel_or_zero(depth));
-        gat.n_rows = clamp_int(feat.numel() / channels);
-        gat.channels = static_cast<int>(channels);
-        gat.n_keys = n_cells;
-        forward_kernel<T, VEC, kHasDepth>
-            <<<grid, kThreads, 0, s>>>(gat, static_cast<T*>(out.data_ptr()), static_cast<int>(n),
-                                       ppb, static_cast<int>(channels), cells_per_batch, window);
-        check_launch("bev_pool_v2 forward_kernel");
-      };
-      if (has_depth) {
-        launch(std::true_type{});
-      } else {
-        launch(std::false_type{});
-      }
+      launch_zero(data_of(out), out_bytes, device_id, s, "bev_pool_v2 fill (out)");
+      dispatch_bools(
+          [&](auto depth_tag) {
+            constexpr bool kHasDepth = decltype(depth_tag)::value;
+            FeatGather<T, VEC, kHasDepth> gat;
+            gat.depth = data_of<const T>(depth);
+            gat.rows = data_of<const T>(feat);
+            gat.ranks_depth = data_of<const int>(ranks_depth);
+            gat.ranks_feat = data_of<const int>(ranks_feat);
+            gat.keys = data_of<const int>(ranks_bev);
+            gat.n_depth = clamp_int(numel_of(depth));
+            gat.n_rows = clamp_int(feat.numel() / channels);
+            gat.channels = static_cast<int>(channels);
+            gat.n_keys = n_cells;
+            forward_kernel<T, VEC, kHasDepth>
+                <<<grid, kThreads, 0, s>>>(gat, data_of<T>(out), static_cast<int>(n), ppb,
+                                           static_cast<int>(channels), cells_per_batch, window);
+            check_launch("bev_pool_v2 forward_kernel");
+          },
+          pts.has_depth);
     });
   });
 }
@@ -990,32 +829,13 @@ void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
               Optional<TensorView> ranks_depth, TensorView ranks_feat, TensorView ranks_bev,
               Optional<TensorView> grad_depth, Optional<TensorView> grad_feat_acc,
               int64_t points_per_block, int64_t stream) {
-  check_gpu_tensor(feat, "feat");
-  const Elem elem = elem_of(feat, "feat");
-  check_contiguous(feat, "feat");
-  const int64_t channels = feat_channels(feat);
-  if (depth.has_value() != ranks_depth.has_value()) {
-    TVM_FFI_THROW(ValueError) << "depth and ranks_depth must be given together (or both None)";
-  }
-  const bool has_depth = depth.has_value();
-  if (grad_depth.has_value() && !has_depth) {
-    TVM_FFI_THROW(ValueError) << "grad_depth needs depth";
-  }
+  const Points pts = check_points(feat, "feat", depth, ranks_depth, ranks_feat, ranks_bev);
+  const int64_t n = pts.n, channels = pts.channels;
+  check_needs(grad_depth, "grad_depth", depth, "depth");
   if (!grad_depth.has_value() && !grad_feat_acc.has_value()) {
     TVM_FFI_THROW(ValueError) << "give grad_depth, grad_feat_acc or both";
   }
-  const int64_t n = checked_points(ranks_bev);
-  check_ranks(ranks_bev, "ranks_bev", feat, n);
-  check_ranks(ranks_feat, "ranks_feat", feat, n);
-  if (has_depth) {
-    check_device(*depth, "depth", feat);
-    check_same_dtype(*depth, "depth", feat, "feat");
-    check_contiguous(*depth, "depth");
-    check_ranks(*ranks_depth, "ranks_depth", feat, n);
-  }
-  check_device(grad_out, "grad_out", feat);
-  check_same_dtype(grad_out, "grad_out", feat, "feat");
-  check_contiguous(grad_out, "grad_out");
+  check_like(grad_out, "grad_out", feat, "feat");
   int n_cells = 0, cells_per_batch = 0;
   out_geometry(grad_out, "grad_out", channels, &n_cells, &cells_per_batch);
   if (grad_depth.has_value()) {
@@ -1025,16 +845,14 @@ void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
   if (grad_feat_acc.has_value()) {
     check_input(*grad_feat_acc, "grad_feat_acc", feat, kFloat32);
     check_same_shape(*grad_feat_acc, "grad_feat_acc", feat, "feat");
-    // vector atomics (atomic_add_scaled) write 8 / 16 bytes at a time
-    if (reinterpret_cast<uintptr_t>((*grad_feat_acc).data_ptr()) % 16 != 0) {
-      TVM_FFI_THROW(ValueError) << "grad_feat_acc must be 16-byte aligned";
-    }
+    check_aligned(*grad_feat_acc, "grad_feat_acc", 16);  // vector atomics: 8 / 16 bytes
   }
   if (n == 0 || grad_out.numel() == 0 || channels == 0) return;  // outputs stay zero
-  DeviceGuard guard(feat.device().device_id);
+  const int device_id = feat.device().device_id;
+  DeviceGuard guard(device_id);
   const gpuStream_t s = as_stream(stream);
-  const int vec = pick_vec(elem, channels, {feat.data_ptr()});
-  dispatch_elem(elem, [&](auto tag) {
+  const int vec = pick_vec(element_bytes(feat), channels, {data_of(feat)});
+  dispatch_float(feat, "feat", [&](auto tag) {
     using T = decltype(tag);
     dispatch_vec<T>(vec, [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
@@ -1043,37 +861,28 @@ void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
       const int window = std::max(0, window_cells_for(kStage, static_cast<int>(channels)));
       // A window narrower than one cell (huge C) is simply unused (window 0 cells).
       const int window_used = static_cast<int64_t>(window) * channels <= kStage ? window : 0;
-      const int ppb =
-          points_per_block_for(n, n_cells, std::max(window_used, 1), lanes, feat.device().device_id,
-                               points_per_block, kTargetBlocksPerSMBackward);
+      const int ppb = points_per_block_for(n, n_cells, std::max(window_used, 1), lanes, device_id,
+                                           points_per_block, kTargetBlocksPerSMBackward);
       const dim3 grid(static_cast<unsigned>((n + ppb - 1) / ppb));
-      auto launch = [&](auto has_depth_tag, auto depth_grad_tag, auto atomic_tag) {
-        constexpr bool kHasDepth = decltype(has_depth_tag)::value;
-        constexpr bool kDepthGrad = decltype(depth_grad_tag)::value;
-        constexpr bool kAtomic = decltype(atomic_tag)::value;
-        backward_points_kernel<T, VEC, kHasDepth, kDepthGrad, kAtomic><<<grid, kThreads, 0, s>>>(
-            static_cast<const T*>(grad_out.data_ptr()),
-            kHasDepth ? static_cast<const T*>(data_or_null(depth)) : nullptr,
-            static_cast<const T*>(feat.data_ptr()),
-            kHasDepth ? static_cast<const int*>(data_or_null(ranks_depth)) : nullptr,
-            static_cast<const int*>(ranks_feat.data_ptr()),
-            static_cast<const int*>(ranks_bev.data_ptr()),
-            kDepthGrad ? static_cast<T*>(data_or_null(grad_depth)) : nullptr,
-            kAtomic ? static_cast<float*>(data_or_null(grad_feat_acc)) : nullptr,
-            static_cast<int>(n), ppb, kHasDepth ? numel_or_zero(depth) : 0, feat.numel() / channels,
-            static_cast<int>(channels), n_cells, cells_per_batch, window_used);
-        check_launch("bev_pool_v2 backward_points_kernel");
-      };
-      const bool dg = grad_depth.has_value(), at = grad_feat_acc.has_value();
-      if (has_depth && dg && at) {
-        launch(std::true_type{}, std::true_type{}, std::true_type{});
-      } else if (has_depth && dg) {
-        launch(std::true_type{}, std::true_type{}, std::false_type{});
-      } else if (has_depth) {
-        launch(std::true_type{}, std::false_type{}, std::true_type{});
-      } else {
-        launch(std::false_type{}, std::false_type{}, std::true_type{});
-      }
+      dispatch_bools(
+          [&](auto has_depth_tag, auto depth_grad_tag, auto atomic_tag) {
+            constexpr bool kHasDepth = decltype(has_depth_tag)::value;
+            constexpr bool kDepthGrad = decltype(depth_grad_tag)::value;
+            constexpr bool kAtomic = decltype(atomic_tag)::value;
+            // grad_depth needs depth; at least one output (checked above)
+            if constexpr ((kHasDepth || !kDepthGrad) && (kDepthGrad || kAtomic)) {
+              backward_points_kernel<T, VEC, kHasDepth, kDepthGrad, kAtomic>
+                  <<<grid, kThreads, 0, s>>>(
+                      data_of<const T>(grad_out), data_of<const T>(depth), data_of<const T>(feat),
+                      data_of<const int>(ranks_depth), data_of<const int>(ranks_feat),
+                      data_of<const int>(ranks_bev), data_of<T>(grad_depth),
+                      data_of<float>(grad_feat_acc), static_cast<int>(n), ppb, numel_of(depth),
+                      feat.numel() / channels, static_cast<int>(channels), n_cells, cells_per_batch,
+                      window_used);
+              check_launch("bev_pool_v2 backward_points_kernel");
+            }
+          },
+          pts.has_depth, grad_depth.has_value(), grad_feat_acc.has_value());
     });
   });
 }
@@ -1084,23 +893,9 @@ void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
                           Optional<TensorView> ranks_depth, TensorView ranks_feat,
                           TensorView ranks_bev, TensorView order, TensorView grad_feat,
                           int64_t points_per_block, int64_t stream) {
-  check_gpu_tensor(grad_feat, "grad_feat");
-  const Elem elem = elem_of(grad_feat, "grad_feat");
-  check_contiguous(grad_feat, "grad_feat");
-  const int64_t channels = feat_channels(grad_feat);
-  if (depth.has_value() != ranks_depth.has_value()) {
-    TVM_FFI_THROW(ValueError) << "depth and ranks_depth must be given together (or both None)";
-  }
-  const bool has_depth = depth.has_value();
-  const int64_t n = checked_points(ranks_bev);
-  check_ranks(ranks_bev, "ranks_bev", grad_feat, n);
-  check_ranks(ranks_feat, "ranks_feat", grad_feat, n);
-  if (has_depth) {
-    check_device(*depth, "depth", grad_feat);
-    check_same_dtype(*depth, "depth", grad_feat, "grad_feat");
-    check_contiguous(*depth, "depth");
-    check_ranks(*ranks_depth, "ranks_depth", grad_feat, n);
-  }
+  const Points pts =
+      check_points(grad_feat, "grad_feat", depth, ranks_depth, ranks_feat, ranks_bev);
+  const int64_t n = pts.n, channels = pts.channels;
   check_input(order, "order", grad_feat, kInt32);
   check_ndim(order, "order", 1);
   if (order.size(0) > n) {
@@ -1110,9 +905,9 @@ void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
   check_input(grad_rows, "grad_rows", grad_feat, grad_feat.dtype());
   check_ndim(grad_rows, "grad_rows", 2);
   check_size(grad_rows, "grad_rows", 1, channels);
-  if (grad_rows.size(0) > INT_MAX) {
+  if (grad_rows.size(0) > kMaxCells) {
     TVM_FFI_THROW(ValueError) << "grad_rows has " << grad_rows.size(0) << " cells; at most "
-                              << INT_MAX;
+                              << kMaxCells;
   }
   const int64_t n_keys = channels > 0 ? grad_feat.numel() / channels : 0;
   if (n_keys > INT_MAX) {
@@ -1120,50 +915,49 @@ void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
                               << INT_MAX;
   }
   if (grad_feat.numel() == 0) return;
-  DeviceGuard guard(grad_feat.device().device_id);
+  const int device_id = grad_feat.device().device_id;
+  DeviceGuard guard(device_id);
   const gpuStream_t s = as_stream(stream);
   const int64_t n_sorted = order.size(0);
+  const int64_t grad_feat_bytes = grad_feat.numel() * element_bytes(grad_feat);
+  const char* fill_name = "bev_pool_v2 fill (grad_feat)";
   if (n_sorted == 0)
-    return launch_zero(grad_feat.data_ptr(), grad_feat.numel() * elem_bytes(elem), s);
-  const int vec = pick_vec(elem, channels, {grad_rows.data_ptr(), grad_feat.data_ptr()});
-  dispatch_elem(elem, [&](auto tag) {
+    return launch_zero(data_of(grad_feat), grad_feat_bytes, device_id, s, fill_name);
+  const int vec =
+      pick_vec(element_bytes(grad_feat), channels, {data_of(grad_rows), data_of(grad_feat)});
+  dispatch_float(grad_feat, "grad_feat", [&](auto tag) {
     using T = decltype(tag);
     dispatch_vec<T>(vec, [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const int tile_c = static_cast<int>(std::min<int64_t>(channels, kMaxLanes * VEC));
       // No window here (rows are written whole): only the occupancy and slot bounds apply.
-      const int ppb = points_per_block_for(n_sorted, n_keys, 0, tile_c / VEC,
-                                           grad_feat.device().device_id, points_per_block);
+      const int ppb =
+          points_per_block_for(n_sorted, n_keys, 0, tile_c / VEC, device_id, points_per_block);
       const dim3 grid(static_cast<unsigned>((n_sorted + ppb - 1) / ppb),
                       static_cast<unsigned>((channels / VEC + kMaxLanes - 1) / kMaxLanes));
       const bool prezero = n_keys > kSparseKeysPerPoint * n_sorted;
-      if (prezero) {
-        launch_zero(grad_feat.data_ptr(), grad_feat.numel() * static_cast<int64_t>(sizeof(T)), s);
-      }
-      auto launch = [&](auto depth_tag) {
-        constexpr bool kHasDepth = decltype(depth_tag)::value;
-        GradRowGather<T, VEC, kHasDepth> gat;
-        gat.depth = kHasDepth ? static_cast<const T*>(data_or_null(depth)) : nullptr;
-        gat.rows = static_cast<const T*>(grad_rows.data_ptr());
-        gat.order = static_cast<const int*>(order.data_ptr());
-        gat.ranks_depth = kHasDepth ? static_cast<const int*>(data_or_null(ranks_depth)) : nullptr;
-        gat.ranks_feat = static_cast<const int*>(ranks_feat.data_ptr());
-        gat.ranks_bev = static_cast<const int*>(ranks_bev.data_ptr());
-        gat.n_points = static_cast<int>(n);
-        gat.n_depth = clamp_int(numel_or_zero(depth));
-        gat.n_cells = static_cast<int>(grad_rows.size(0));
-        gat.channels = static_cast<int>(channels);
-        gat.n_keys = static_cast<int>(n_keys);
-        grad_feat_sorted_kernel<T, VEC, kHasDepth><<<grid, kThreads, 0, s>>>(
-            gat, static_cast<T*>(grad_feat.data_ptr()), static_cast<int>(n_sorted), ppb,
-            static_cast<int>(channels), prezero ? 1 : 0);
-        check_launch("bev_pool_v2 grad_feat_sorted_kernel");
-      };
-      if (has_depth) {
-        launch(std::true_type{});
-      } else {
-        launch(std::false_type{});
-      }
+      if (prezero) launch_zero(data_of(grad_feat), grad_feat_bytes, device_id, s, fill_name);
+      dispatch_bools(
+          [&](auto depth_tag) {
+            constexpr bool kHasDepth = decltype(depth_tag)::value;
+            GradRowGather<T, VEC, kHasDepth> gat;
+            gat.depth = data_of<const T>(depth);
+            gat.rows = data_of<const T>(grad_rows);
+            gat.order = data_of<const int>(order);
+            gat.ranks_depth = data_of<const int>(ranks_depth);
+            gat.ranks_feat = data_of<const int>(ranks_feat);
+            gat.ranks_bev = data_of<const int>(ranks_bev);
+            gat.n_points = static_cast<int>(n);
+            gat.n_depth = clamp_int(numel_of(depth));
+            gat.n_cells = static_cast<int>(grad_rows.size(0));
+            gat.channels = static_cast<int>(channels);
+            gat.n_keys = static_cast<int>(n_keys);
+            grad_feat_sorted_kernel<T, VEC, kHasDepth>
+                <<<grid, kThreads, 0, s>>>(gat, data_of<T>(grad_feat), static_cast<int>(n_sorted),
+                                           ppb, static_cast<int>(channels), prezero ? 1 : 0);
+            check_launch("bev_pool_v2 grad_feat_sorted_kernel");
+          },
+          pts.has_depth);
     });
   });
 }

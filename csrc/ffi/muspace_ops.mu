@@ -5,19 +5,17 @@
 
 #include "checks.muh"
 #include "gpu_compat.muh"
+#include "launch.muh"
 
 namespace muspace {
 namespace {
 
 __global__ void add_one_kernel(const float* __restrict__ x, float* __restrict__ out, int64_t n) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    out[i] = x[i] + 1.0f;
-  }
+  for (int64_t i = global_thread(); i < n; i += global_threads()) out[i] = x[i] + 1.0f;
 }
 
 constexpr int kBlock = 256;
+constexpr int kBlocksPerSM = 8;
 
 void add_one_forward(TensorView x, TensorView out, int64_t stream) {
   check_gpu_tensor(x, "x");
@@ -26,12 +24,10 @@ void add_one_forward(TensorView x, TensorView out, int64_t stream) {
   check_same_shape(out, "out", x, "x");
   const int64_t n = x.numel();
   if (n == 0) return;
-  DeviceGuard guard(x.device().device_id);
-  const int64_t max_blocks = static_cast<int64_t>(multiprocessor_count(x.device().device_id)) * 8;
-  const int64_t wanted = (n + kBlock - 1) / kBlock;
-  const int blocks = static_cast<int>(wanted < max_blocks ? wanted : max_blocks);
-  add_one_kernel<<<blocks, kBlock, 0, as_stream(stream)>>>(static_cast<const float*>(x.data_ptr()),
-                                                           static_cast<float*>(out.data_ptr()), n);
+  const int device_id = x.device().device_id;
+  DeviceGuard guard(device_id);
+  add_one_kernel<<<grid_for(n, kBlock, device_id, kBlocksPerSM), kBlock, 0, as_stream(stream)>>>(
+      data_of<const float>(x), data_of<float>(out), n);
   check_launch("add_one_kernel");
 }
 
