@@ -1,10 +1,30 @@
 """Toolchain detection and compiler command lines (no compiler is run here)."""
 
 import os
+import re
 import stat
 from pathlib import Path
 
+import pytest
+
 import build_utils
+
+ROOT = Path(build_utils.__file__).resolve().parent
+
+# The limits the Python layer reads from muspace_build_facts()["limits"].
+LIMIT_KEYS = {
+    "bev_pool_v2.max_points": 1 << 30,
+    "bev_pool_v2.max_channels": 1 << 20,
+    "bev_pool_v2.max_cells": 2**31 - 1,
+    "bev_pool_prepare.max_points": 2**31 - 1,
+    "bev_pool_prepare.max_cells": 2**31 - 1,
+    "sort_by_cell.max_entries": 2**31 - 1,
+    "sort_by_cell.max_cells": 2**31 - 1,
+    "multi_scale_deformable_attn.max_head_dim": 256,
+    "multi_scale_deformable_attn.max_levels": 16,
+    "multi_scale_deformable_attn.max_level_points": 1 << 20,
+}
+LIMIT = re.compile(r"^\s*MUSPACE_LIMIT\(\s*(\w+)\s*,\s*(\w+)\s*,", re.M)
 
 
 def _fake_exe(path: Path) -> Path:
@@ -63,3 +83,52 @@ def test_default_cuda_archs_without_gpu(tmp_path, monkeypatch):
 def test_ptx_of_newest_plain_arch_is_embedded():
     flags = " ".join(build_utils._cuda_arch_flags(["90a"]))
     assert "arch=compute_90,code=compute_90" in flags
+
+
+def _limit_declarations() -> list[tuple[str, str]]:
+    """(key, source) of every MUSPACE_LIMIT(...) statement in csrc/, comments removed."""
+    found = []
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.suffix not in (".mu", ".muh"):
+            continue
+        text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", path.read_text(), flags=re.S)
+        rel = path.relative_to(ROOT).as_posix()
+        found += [(f"{op}.{name}", rel) for op, name in LIMIT.findall(text)]
+    return found
+
+
+def test_build_fact_limits_are_declared_once_in_built_sources():
+    declared = _limit_declarations()
+    keys = [key for key, _ in declared]
+    for key in LIMIT_KEYS:
+        assert keys.count(key) == 1, f"{key} declared {keys.count(key)} times: {declared}"
+    assert len(keys) == len(set(keys)), f"a limit is declared twice: {sorted(keys)}"
+    unbuilt = {src for _, src in declared} - set(build_utils.EXTENSION_SOURCES)
+    assert not unbuilt, f"MUSPACE_LIMIT outside the built .mu sources: {unbuilt}"
+
+
+def test_limit_pattern_skips_the_macro_definition(tmp_path):
+    text = "#define MUSPACE_LIMIT(op, name, value) x\n  MUSPACE_LIMIT(a_op, max_x, kMaxX);\n"
+    assert LIMIT.findall(text) == [("a_op", "max_x")]
+
+
+def test_built_library_reports_the_limits():
+    """Where the package's library is built (CI: the install step), its facts hold the values."""
+    library = ROOT / build_utils.PACKAGE_LIB_DIR / build_utils.LIBRARY_FILE
+    if not library.exists():
+        pytest.skip(f"no native library at {library}")
+    import json
+
+    import tvm_ffi
+
+    module = tvm_ffi.load_module(str(library))
+    try:
+        facts_fn = module["muspace_build_facts"]
+    except Exception:  # a library built before the facts existed
+        pytest.skip(f"{library} has no muspace_build_facts (stale build)")
+    facts = json.loads(str(facts_fn()))
+    assert facts["backend"] == str(module["build_backend"]())
+    assert facts["warp_size"] == int(module["build_warp_size"]())
+    assert isinstance(facts["bf16"], bool) and facts["compiler"]
+    assert {k: facts["limits"].get(k) for k in LIMIT_KEYS} == LIMIT_KEYS
+    assert list(facts["limits"]) == sorted(facts["limits"])

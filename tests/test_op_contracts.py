@@ -427,3 +427,24 @@ def test_fuzz_rules_catch_violations():
     t[0] = 5
     assert fuzz.unchanged((t,), before) is not None
     assert re.search("modified", fuzz.unchanged((t,), before))
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+def test_native_on_a_device_other_than_the_current_one(op):
+    """The device guard: tensors on cuda:1 while cuda:0 is current run there, on cuda:1's
+    current stream, and leave cuda:0 current."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (only one-GPU machines were lent)")
+    second = torch.device("cuda", 1)
+    s = [s for s in samples(op, second) if not _is_empty(s)][0]
+    torch.cuda.set_device(0)
+    with torch.cuda.device(1):
+        want = op.api(*s.args, **s.kwargs, backend="reference")
+    with torch.cuda.stream(torch.cuda.Stream(second)):
+        got = op.api(*s.args, **s.kwargs, backend="native")
+    torch.cuda.synchronize(second)
+    assert all(t.device == second for t in _tensors(got))
+    tolerances.assert_close(_tensors(got), _tensors(want), op=op.name)
+    assert torch.cuda.current_device() == 0

@@ -90,6 +90,11 @@ def _check_args(
     )
 
 
+def _grid(*args) -> _bev.Grid:
+    """The checked (B, Z, Y, X, C) of bev_pool_v2's arguments."""
+    return _check_args(*args).info[0]
+
+
 def _first(mask: torch.Tensor) -> int | None:
     idx = torch.nonzero(mask)
     return int(idx[0, 0]) if idx.numel() else None
@@ -163,7 +168,7 @@ def validate_inputs(
     """Host-side checks of the index arrays (synchronises): IndexError naming the array and the
     first bad index for out-of-range values; ValueError when ranks_bev is not sorted or the
     intervals are not its runs."""
-    grid = _check_args(
+    grid = _grid(
         depth,
         feat,
         ranks_depth,
@@ -172,7 +177,7 @@ def validate_inputs(
         bev_feat_shape,
         interval_starts,
         interval_lengths,
-    ).info[0]
+    )
     _check_index_ranges(depth, feat, ranks_depth, ranks_feat, ranks_bev, grid)
     _check_runs(ranks_bev, interval_starts, interval_lengths)
 
@@ -265,7 +270,7 @@ def bev_pool_v2_reference(
     outside [0, n_points) or empty, cells outside the grid, points with an out-of-range
     ranks_feat / ranks_depth. Accumulates in float32 (float64 for float64 inputs).
     """
-    shape = _check_args(
+    shape = _grid(
         depth,
         feat,
         ranks_depth,
@@ -274,7 +279,7 @@ def bev_pool_v2_reference(
         bev_feat_shape,
         interval_starts,
         interval_lengths,
-    ).info[0]
+    )
     B, Z, Y, X, C = shape
     acc = torch.float64 if feat.dtype == torch.float64 else torch.float32
     p = _expand_points(
@@ -307,7 +312,7 @@ def bev_pool_v2_backward_reference(
     """(grad_depth or None, grad_feat) of `bev_pool_v2_reference`, computed directly (vectorised;
     float32 accumulation, float64 for float64 inputs):
     grad_feat[ranks_feat[i]] += w_i * g[cell_i],  grad_depth[ranks_depth[i]] += <g[cell_i], feat row>."""
-    shape = _check_args(
+    shape = _grid(
         depth,
         feat,
         ranks_depth,
@@ -316,7 +321,7 @@ def bev_pool_v2_backward_reference(
         bev_feat_shape,
         interval_starts,
         interval_lengths,
-    ).info[0]
+    )
     B, Z, Y, X, C = shape
     acc = torch.float64 if feat.dtype == torch.float64 else torch.float32
     p = _expand_points(

@@ -455,45 +455,28 @@ def _backward_native(
     stream = stream_handle(value)
     device = value.device
     backward = native.function("multi_scale_deformable_attn_backward")
+    inputs = (
+        grad_output,
+        value,
+        meta.device_shapes,
+        meta.device_starts,
+        sampling_locations,
+        attention_weights,
+    )
+    outputs = (grad_value, grad_loc, grad_attn)
+    policy = (_CHANNELS_PER_THREAD, _BLOCK_THREADS, stream)
     if deterministic:
         space = _key_space(bs, heads, num_keys, levels)
         key_dtype = torch.int32 if space < 2**31 - 1 else torch.int64
         with _opdef.no_fill():  # every element of these is written by the kernels / the sort
             keys = torch.empty(sampling_locations.numel() // 2, dtype=key_dtype, device=device)
             cell_start = torch.empty(space + 1, dtype=torch.int64, device=device)
-        backward(
-            grad_output,
-            value,
-            meta.device_shapes,
-            meta.device_starts,
-            sampling_locations,
-            attention_weights,
-            grad_value,
-            grad_loc,
-            grad_attn,
-            torch.empty(0, dtype=torch.float32, device=device),
-            keys,
-            1,
-            _CHANNELS_PER_THREAD,
-            _BLOCK_THREADS,
-            stream,
-        )
+        no_workspace = torch.empty(0, dtype=torch.float32, device=device)
+        backward(*inputs, *outputs, no_workspace, keys, 1, *policy)
         with _opdef.no_fill():
             sorted_keys, perm = torch.sort(keys, stable=True)
         native.function("multi_scale_deformable_attn_backward_value_deterministic")(
-            grad_output,
-            value,
-            meta.device_shapes,
-            meta.device_starts,
-            sampling_locations,
-            attention_weights,
-            sorted_keys,
-            perm,
-            cell_start,
-            grad_value,
-            _CHANNELS_PER_THREAD,
-            _BLOCK_THREADS,
-            stream,
+            *inputs, sorted_keys, perm, cell_start, grad_value, *policy
         )
     else:
         workspace = (
@@ -501,23 +484,8 @@ def _backward_native(
             if value.dtype == torch.float32
             else torch.empty(value.shape, dtype=torch.float32, device=device)
         )
-        backward(
-            grad_output,
-            value,
-            meta.device_shapes,
-            meta.device_starts,
-            sampling_locations,
-            attention_weights,
-            grad_value,
-            grad_loc,
-            grad_attn,
-            workspace,
-            torch.empty(0, dtype=torch.int32, device=device),
-            _ATOMIC_MODE,
-            _CHANNELS_PER_THREAD,
-            _BLOCK_THREADS,
-            stream,
-        )
+        no_keys = torch.empty(0, dtype=torch.int32, device=device)
+        backward(*inputs, *outputs, workspace, no_keys, _ATOMIC_MODE, *policy)
     return grad_value, grad_loc, grad_attn
 
 

@@ -747,18 +747,3 @@ def test_native_sort_by_cell_empty_and_no_cells():
     ):
         got = sort_by_cell(cell, n_cells, backend="cuda")
         assert all(t.shape == (0,) and t.dtype == torch.int32 and t.device == device for t in got)
-
-
-@pytest.mark.gpu
-def test_tensor_on_a_device_other_than_the_current_one():
-    native_gpu_device()
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    torch.cuda.set_device(0)
-    coor, grid = _geometry("bevdet-r50", device="cuda:1")
-    with torch.cuda.device(1):
-        want = bev_pool_prepare_reference(coor, *grid)
-    got = bev_pool_prepare(coor, *grid, backend="cuda")
-    assert got.ranks_bev.device == coor.device
-    _assert_equal_ranks(got, want)
-    assert torch.cuda.current_device() == 0

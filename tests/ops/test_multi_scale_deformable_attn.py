@@ -881,21 +881,6 @@ def test_int64_indexing_beyond_2_to_the_31_output_elements():
     del out
 
 
-@pytest.mark.gpu
-def test_tensor_on_a_device_other_than_the_current_one():
-    native_gpu_device()
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    torch.cuda.set_device(0)
-    args = msda_inputs.args(msda_inputs.make("tiny", device="cuda:1", seed=5))
-    with torch.cuda.stream(torch.cuda.Stream("cuda:1")):
-        out = multi_scale_deformable_attn(*args, backend="cuda")
-    torch.cuda.synchronize("cuda:1")
-    assert out.device == args[0].device
-    assert_scaled_close(out, _reference64(args), torch.float32, "cuda:1")
-    assert torch.cuda.current_device() == 0
-
-
 # ---------------------------------------------------------------- the sampling rule on the reference path
 
 
