@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "build_facts.muh"
 #include "checks.muh"
 #include "dispatch.muh"
 #include "gpu_compat.muh"
@@ -52,8 +53,10 @@ namespace msda {
 
 // ------------------------------------------------------------------------------ launch policy
 
-constexpr int kMaxLevels = 16;    // the issue asks for 1..8
+constexpr int kMaxLevels = 16;  // the issue asks for 1..8
+MUSPACE_LIMIT(multi_scale_deformable_attn, max_levels, kMaxLevels);
 constexpr int kMaxHeadDim = 256;  // generic path: kGenericNV channels x a group of <= 32 lanes
+MUSPACE_LIMIT(multi_scale_deformable_attn, max_head_dim, kMaxHeadDim);
 constexpr int kBlockDefault = 256;
 constexpr int kBlockMax = 512;   // every kernel's __launch_bounds__
 constexpr int kChunk = 4;        // samples per step: vector loads of 4 locations / weights and
@@ -63,6 +66,7 @@ constexpr int kFillBlock = 256;  // the cast and cell-start kernels
 constexpr int kCastBlocksPerSM = 16;
 constexpr int kCellStartBlocksPerSM = 32;
 constexpr int64_t kMaxPointsPerQuery = 1 << 20;  // levels * points, keeps index math in int32
+MUSPACE_LIMIT(multi_scale_deformable_attn, max_level_points, kMaxPointsPerQuery);
 
 // All lanes of a warp take part in every shuffle (loops are warp-uniform); the mask is derived
 // from the warp width (32 lanes on NVIDIA, 128 on MUSA mp_21/22 where the API keeps a 32-bit

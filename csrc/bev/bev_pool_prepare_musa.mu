@@ -44,6 +44,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "build_facts.muh"
 #include "checks.muh"
 #include "dispatch.muh"
 #include "gpu_compat.muh"
@@ -72,9 +73,13 @@ static_assert((kHashSlots & (kHashSlots - 1)) == 0, "power of two");
 
 constexpr int64_t kInt32Max = 2147483647;
 // Everything is int32: points, cells and sorted entries must each fit it.
-constexpr int64_t kMaxPoints = kInt32Max;   // bev_pool_prepare: coor's points
-constexpr int64_t kMaxCells = kInt32Max;    // B*X*Y*Z (prepare) / n_cells (sort_by_cell)
+constexpr int64_t kMaxPoints = kInt32Max;  // bev_pool_prepare: coor's points
+MUSPACE_LIMIT(bev_pool_prepare, max_points, kMaxPoints);
+constexpr int64_t kMaxCells = kInt32Max;  // B*X*Y*Z (prepare) / n_cells (sort_by_cell)
+MUSPACE_LIMIT(bev_pool_prepare, max_cells, kMaxCells);
+MUSPACE_LIMIT(sort_by_cell, max_cells, kMaxCells);
 constexpr int64_t kMaxEntries = kInt32Max;  // sort_by_cell: cell's entries
+MUSPACE_LIMIT(sort_by_cell, max_entries, kMaxEntries);
 
 // flags of the entry points
 constexpr int64_t kStageCount = 1;       // zero (unless clean) + cells + scan

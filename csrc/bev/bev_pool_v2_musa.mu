@@ -54,6 +54,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "build_facts.muh"
 #include "checks.muh"
 #include "dispatch.muh"
 #include "gpu_compat.muh"
@@ -94,8 +95,11 @@ constexpr int64_t kSparseKeysPerPoint = 4;
 constexpr int kNotFound = INT_MAX;
 // Points are int32 indices; the margin keeps `index + search span` inside int32.
 constexpr int64_t kMaxPoints = (int64_t{1} << 30);
+MUSPACE_LIMIT(bev_pool_v2, max_points, kMaxPoints);
 constexpr int64_t kMaxChannels = (int64_t{1} << 20);  // keeps grid.y and channel products small
-constexpr int64_t kMaxCells = INT_MAX;                // B*Z*Y*X: ranks_bev is int32
+MUSPACE_LIMIT(bev_pool_v2, max_channels, kMaxChannels);
+constexpr int64_t kMaxCells = INT_MAX;  // B*Z*Y*X: ranks_bev is int32
+MUSPACE_LIMIT(bev_pool_v2, max_cells, kMaxCells);
 
 // Shared-memory window (elements of T) next to the slots' float32 partial sums.
 template <typename T, int VEC>
