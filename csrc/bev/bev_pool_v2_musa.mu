@@ -31,11 +31,13 @@
 //   costs ~2 us at bevdet-r50.
 //
 // Backward:
-// - backward_points_kernel, in the forward's point order: grad_depth[ranks_depth[i]] =
-//   dot(grad_out[:, cell_i], feat row) (one writer per point, lanes reduced in a fixed order) and,
-//   in the default mode, grad_feat[ranks_feat[i]] += depth * grad_out[:, cell_i] with float32
-//   atomics (into a float32 buffer; the caller casts for float16 / bfloat16). grad_out is read
-//   through a shared-memory window of the block's cells (coalesced), like the forward's output.
+// - backward_points_kernel, in the forward's point order: the per-point dot(grad_out[:, cell_i],
+//   feat row) (lanes reduced in a fixed order), added into grad_depth[ranks_depth[i]] with a
+//   float32 atomic (so repeated ranks_depth values sum up) or, in the deterministic mode, stored
+//   per point for the caller to reduce; and, in the default mode, grad_feat[ranks_feat[i]] +=
+//   depth * grad_out[:, cell_i] with float32 atomics. Both accumulate into float32 buffers (the
+//   caller casts for float16 / bfloat16). grad_out is read through a shared-memory window of the
+//   block's cells (coalesced), like the forward's output.
 // - grad_feat_sorted_kernel, the deterministic mode: points grouped by ranks_feat (the caller's
 //   stable sort, `order`), each feat row summed by the same segmented scheme as the forward,
 //   reading channels-last grad rows; rows without points get zeros. No atomics.
@@ -290,9 +292,14 @@ __device__ __forceinline__ bool is_run_start(const Gather& g, int j) {
   return j == 0 || g.key(j) != g.key(j - 1);
 }
 
-// The runs this block owns start in [p0, p1): s_q[0] = the first run start in [p0, p1)
-// (kNotFound if none: the block owns nothing), s_q[1] = the first run start >= p1 (n if none).
-// Usually one round; a run longer than the search span costs its owner more rounds.
+// The runs this block owns start in [p0, p1): afterwards s_q[0] = the first run start in
+// [p0, p1) (kNotFound if none: the block owns nothing), s_q[1] = the first run start >= p1
+// (kNotFound if none: n). Usually one round; a run longer than the search span costs its owner
+// more rounds.
+// Shared memory, race-free by construction: between two barriers a word of s_q is only read
+// or only written (by thread 0's stores, or by atomicMin), never both. A round reads the state,
+// syncs, updates it with atomics and syncs again; the last round ends after its reads, so
+// s_q[0..1] are final and never written again.
 template <class Gather>
 __device__ void find_owned_runs(const Gather& g, int n, int p0, int p1, int* s_q) {
   const int tid = threadIdx.x;
@@ -304,21 +311,19 @@ __device__ void find_owned_runs(const Gather& g, int n, int p0, int p1, int* s_q
   // Round 0 looks at kThreads points (most runs are shorter), later rounds at 4x as many.
   for (int base = 0, per_thread = 1;;
        base += per_thread * kThreads, per_thread = kSearchPerThread) {
-    // Read the state, then sync before anyone updates it: the loop exit is block-uniform.
+    // Every thread reads the same state, so the loop exit is block-uniform.
     const bool searching0 = s_q[0] == kNotFound && p0 + base < p1;
     const bool owns_nothing = s_q[0] == kNotFound && p0 + base >= p1;
     const bool searching1 = !owns_nothing && s_q[1] == kNotFound && p1 + base < n;
-    __syncthreads();
+    __syncthreads();  // reads done before any update
     if (!searching0 && !searching1) break;
     for (int k = 0; k < per_thread; ++k) {
       const int off = base + k * kThreads + tid;
       if (searching0 && p0 + off < p1 && is_run_start(g, p0 + off)) atomicMin(&s_q[0], p0 + off);
       if (searching1 && p1 + off < n && is_run_start(g, p1 + off)) atomicMin(&s_q[1], p1 + off);
     }
-    __syncthreads();
+    __syncthreads();  // updates done before the next round's reads
   }
-  if (tid == 0 && s_q[1] == kNotFound) s_q[1] = n;
-  __syncthreads();
 }
 
 // Sums the runs of points [q0, q1) (whole runs) and hands each run's sum to the sink. G lanes
@@ -457,18 +462,26 @@ __device__ bool owned_range(const Gather& gat, int n, int points_per_block, int 
   const int p0 = blockIdx.x * points_per_block;
   const int p1 = min(p0 + points_per_block, n);
   find_owned_runs(gat, n, p0, p1, s_q);
-  q0 = s_q[0];
-  q1 = s_q[1];
-  if (q0 == kNotFound) return false;
+  // One writer: thread 0 turns the search result into the block's range in s_q[2..5] (words
+  // nobody reads before the barrier below; s_q[0..1] are only read from here on).
   if (threadIdx.x == 0) {
-    // Block 0 starts at key 0; the next owner starts at the key of point q1.
-    const int l = blockIdx.x == 0 ? 0 : clamp_key(gat.key(q0), n_keys);
-    s_q[2] = l;
-    s_q[3] = max(l, q1 >= n ? n_keys : clamp_key(gat.key(q1), n_keys));
+    const int r0 = s_q[0];
+    const int r1 = s_q[1] == kNotFound ? n : s_q[1];
+    s_q[2] = r0;
+    s_q[3] = r1;
+    if (r0 != kNotFound) {
+      // Block 0 starts at key 0; the next owner starts at the key of point q1.
+      const int l = blockIdx.x == 0 ? 0 : clamp_key(gat.key(r0), n_keys);
+      s_q[4] = l;
+      s_q[5] = max(l, r1 >= n ? n_keys : clamp_key(gat.key(r1), n_keys));
+    }
   }
   __syncthreads();
-  lo = s_q[2];
-  hi = s_q[3];
+  q0 = s_q[2];
+  q1 = s_q[3];
+  if (q0 == kNotFound) return false;
+  lo = s_q[4];
+  hi = s_q[5];
   return true;
 }
 
@@ -480,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   __shared__ float s_part[kThreads * VEC];
   alignas(16) __shared__ unsigned char s_stage_raw[stage_elems<T, VEC>() * sizeof(T)];
   __shared__ unsigned char s_flags[kThreads];
-  __shared__ int s_q[4];
+  __shared__ int s_q[6];
   const int tid = threadIdx.x;
   // The window starts as zeros (its empty cells are flushed with the rest); sizes do not
   // depend on the search, so this overlaps it.
@@ -515,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   __shared__ float s_part[kThreads * VEC];
   __shared__ unsigned int s_bitmap[kBitmapWords];
   __shared__ unsigned char s_flags[kThreads];
-  __shared__ int s_q[4];
+  __shared__ int s_q[6];
   for (int e = threadIdx.x; e < kBitmapWords; e += kThreads) s_bitmap[e] = 0u;
   int q0, q1, lo, hi;
   if (!owned_range(gat, n_sorted, points_per_block, gat.n_keys, s_q, q0, q1, lo, hi)) return;
@@ -535,16 +548,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
 
 // Backward in the forward's point order. Each block takes points [p0, p1) (not run-aligned: no
 // segment sums here) and reads grad_out for its cells through a shared window (coalesced).
-//   kDepthGrad: grad_depth[rd_i] = dot(grad_out[:, cell_i], feat[rf_i, :])
+//   kDepthGrad: dot_i = dot(grad_out[:, cell_i], feat[rf_i, :]), either
+//     grad_depth_acc[rd_i] += dot_i (float32 atomics: repeated ranks_depth values add up), or
+//     point_dots[i] = dot_i (every point, 0 for a bad one; no atomics: the caller reduces).
 //   kAtomicFeat: grad_feat_acc[rf_i, :] += depth[rd_i] * grad_out[:, cell_i]   (float32 atomics)
 template <typename T, int VEC, bool kHasDepth, bool kDepthGrad, bool kAtomicFeat>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
     backward_points_kernel(const T* __restrict__ grad_out, const T* __restrict__ depth,
                            const T* __restrict__ feat, const int* __restrict__ ranks_depth,
                            const int* __restrict__ ranks_feat, const int* __restrict__ ranks_bev,
-                           T* __restrict__ grad_depth, float* __restrict__ grad_feat_acc,
-                           int n_points, int points_per_block, int64_t n_depth, int64_t n_rows,
-                           int channels, int n_cells, int cells_per_batch, int window_cells) {
+                           float* __restrict__ grad_depth_acc, float* __restrict__ point_dots,
+                           float* __restrict__ grad_feat_acc, int n_points, int points_per_block,
+                           int64_t n_depth, int64_t n_rows, int channels, int n_cells,
+                           int cells_per_batch, int window_cells) {
   constexpr int kStageElems = backward_stage_elems<T>();
   alignas(16) __shared__ unsigned char s_stage_raw[kStageElems * sizeof(T)];
   __shared__ float s_red[2][kUnroll][kThreads];  // per-lane partial dots, double-buffered
@@ -652,10 +668,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
       // Lane u of each slot sums point u's G partial dots in lane order (deterministic).
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (slot >= S || u % G != lane || !ok[u]) continue;
+        if (slot >= S || u % G != lane || i + u >= b) continue;
         float sum = 0.0f;
         for (int l = 0; l < G; ++l) sum += s_red[buf][u][slot * G + l];
-        grad_depth[cw[u]] = from_float<T>(sum);
+        if (point_dots != nullptr) {
+          point_dots[i + u] = ok[u] ? sum : 0.0f;
+        } else if (ok[u]) {
+          atomicAdd(grad_depth_acc + cw[u], sum);
+        }
       }
     }
   }
@@ -826,32 +846,50 @@ void forward(Optional<TensorView> depth, TensorView feat, Optional<TensorView> r
   });
 }
 
-// Backward in point order. grad_depth (depth's dtype, pre-zeroed): per-point dot products.
-// grad_feat_acc (float32, pre-zeroed, feat's shape): atomic accumulation (default mode). Either
-// may be None (not computed); grad_depth needs depth.
+// Backward in point order; the outputs are float32 and pre-zeroed by the caller, any may be None:
+// - grad_depth_acc (depth's shape): grad_depth_acc[ranks_depth[i]] += dot(grad_out[:, cell_i],
+//   feat[ranks_feat[i]]) with float32 atomics (the sum over repeated ranks_depth values);
+// - point_dots [n_points]: that dot per point (0 for a bad point), no atomics (deterministic mode:
+//   the caller reduces it);
+// - grad_feat_acc (feat's shape, 16-byte aligned): atomic accumulation (default mode).
+// At most one of grad_depth_acc / point_dots, both need depth; at least one output.
 void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
               Optional<TensorView> ranks_depth, TensorView ranks_feat, TensorView ranks_bev,
-              Optional<TensorView> grad_depth, Optional<TensorView> grad_feat_acc,
-              int64_t points_per_block, int64_t stream) {
+              Optional<TensorView> grad_depth_acc, Optional<TensorView> point_dots,
+              Optional<TensorView> grad_feat_acc, int64_t points_per_block, int64_t stream) {
   const Points pts = check_points(feat, "feat", depth, ranks_depth, ranks_feat, ranks_bev);
   const int64_t n = pts.n, channels = pts.channels;
-  check_needs(grad_depth, "grad_depth", depth, "depth");
-  if (!grad_depth.has_value() && !grad_feat_acc.has_value()) {
-    TVM_FFI_THROW(ValueError) << "give grad_depth, grad_feat_acc or both";
+  check_needs(grad_depth_acc, "grad_depth_acc", depth, "depth");
+  check_needs(point_dots, "point_dots", depth, "depth");
+  if (grad_depth_acc.has_value() && point_dots.has_value()) {
+    TVM_FFI_THROW(ValueError) << "give grad_depth_acc or point_dots, not both";
+  }
+  const bool depth_grad = grad_depth_acc.has_value() || point_dots.has_value();
+  if (!depth_grad && !grad_feat_acc.has_value()) {
+    TVM_FFI_THROW(ValueError) << "give grad_depth_acc, point_dots or grad_feat_acc";
   }
   check_like(grad_out, "grad_out", feat, "feat");
   int n_cells = 0, cells_per_batch = 0;
   out_geometry(grad_out, "grad_out", channels, &n_cells, &cells_per_batch);
-  if (grad_depth.has_value()) {
-    check_input(*grad_depth, "grad_depth", feat, feat.dtype());
-    check_same_shape(*grad_depth, "grad_depth", *depth, "depth");
+  if (grad_depth_acc.has_value()) {
+    check_input(*grad_depth_acc, "grad_depth_acc", feat, kFloat32);
+    check_same_shape(*grad_depth_acc, "grad_depth_acc", *depth, "depth");
   }
+  if (point_dots.has_value()) check_vector(*point_dots, "point_dots", feat, kFloat32, n);
   if (grad_feat_acc.has_value()) {
     check_input(*grad_feat_acc, "grad_feat_acc", feat, kFloat32);
     check_same_shape(*grad_feat_acc, "grad_feat_acc", feat, "feat");
     check_aligned(*grad_feat_acc, "grad_feat_acc", 16);  // vector atomics: 8 / 16 bytes
   }
-  if (n == 0 || grad_out.numel() == 0 || channels == 0) return;  // outputs stay zero
+  // Nothing to accumulate: the accumulators stay zero; point_dots (not pre-zeroed) gets zeros.
+  if (n == 0 || grad_out.numel() == 0 || channels == 0) {
+    if (point_dots.has_value() && n > 0) {
+      DeviceGuard guard(feat.device().device_id);
+      launch_zero(data_of(*point_dots), n * 4, feat.device().device_id, as_stream(stream),
+                  "bev_pool_v2 fill (point_dots)");
+    }
+    return;
+  }
   const int device_id = feat.device().device_id;
   DeviceGuard guard(device_id);
   const gpuStream_t s = as_stream(stream);
@@ -873,20 +911,20 @@ void backward(TensorView grad_out, Optional<TensorView> depth, TensorView feat,
             constexpr bool kHasDepth = decltype(has_depth_tag)::value;
             constexpr bool kDepthGrad = decltype(depth_grad_tag)::value;
             constexpr bool kAtomic = decltype(atomic_tag)::value;
-            // grad_depth needs depth; at least one output (checked above)
+            // the depth gradient needs depth; at least one output (both checked above)
             if constexpr ((kHasDepth || !kDepthGrad) && (kDepthGrad || kAtomic)) {
               backward_points_kernel<T, VEC, kHasDepth, kDepthGrad, kAtomic>
                   <<<grid, kThreads, 0, s>>>(
                       data_of<const T>(grad_out), data_of<const T>(depth), data_of<const T>(feat),
                       data_of<const int>(ranks_depth), data_of<const int>(ranks_feat),
-                      data_of<const int>(ranks_bev), data_of<T>(grad_depth),
-                      data_of<float>(grad_feat_acc), static_cast<int>(n), ppb, numel_of(depth),
-                      feat.numel() / channels, static_cast<int>(channels), n_cells, cells_per_batch,
-                      window_used);
+                      data_of<const int>(ranks_bev), data_of<float>(grad_depth_acc),
+                      data_of<float>(point_dots), data_of<float>(grad_feat_acc),
+                      static_cast<int>(n), ppb, numel_of(depth), feat.numel() / channels,
+                      static_cast<int>(channels), n_cells, cells_per_batch, window_used);
               check_launch("bev_pool_v2 backward_points_kernel");
             }
           },
-          pts.has_depth, grad_depth.has_value(), grad_feat_acc.has_value());
+          pts.has_depth, depth_grad, grad_feat_acc.has_value());
     });
   });
 }
