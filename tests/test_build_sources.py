@@ -1,5 +1,5 @@
-"""EXTENSION_SOURCES is the one list of native sources: every .mu under csrc/ is in it or
-explicitly excluded, and every listed file exists."""
+"""EXTENSION_SOURCES is the one list of native sources, computed from the tree: every .mu
+under csrc/ is in it or explicitly excluded (with a reason), and every listed file exists."""
 
 from pathlib import Path
 
@@ -26,3 +26,14 @@ def test_listed_sources_exist_and_are_unique():
 def test_excluded_sources_give_a_reason():
     for path, reason in build_utils.EXCLUDED_SOURCES.items():
         assert reason.strip(), f"{path} is excluded without a reason"
+
+
+def test_sources_come_from_the_tree_with_the_smoke_first():
+    on_disk = sorted(
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "csrc").rglob("*.mu")
+        if p.relative_to(ROOT).as_posix() not in build_utils.EXCLUDED_SOURCES
+    )
+    listed = build_utils.EXTENSION_SOURCES
+    assert listed[0] == build_utils.SMOKE_SOURCE == "csrc/ffi/muspace_ops.mu"
+    assert sorted(listed) == on_disk and listed[1:] == sorted(listed[1:])

@@ -69,7 +69,8 @@ def test_cuda_arch_list_from_env(tmp_path):
     cmd = build_utils.compile_command(tc, Path("a.mu"), Path("a.o"), [])
     assert cmd[1:3] == ["-x", "cu"]
     joined = " ".join(cmd)
-    assert "code=sm_80" in joined and "code=sm_90a" in joined and "code=compute_80" in joined
+    assert "code=sm_80" in joined and "code=sm_90a" in joined
+    assert "arch=compute_90,code=compute_90" in joined and "code=compute_80" not in joined
 
 
 def test_default_cuda_archs_without_gpu(tmp_path, monkeypatch):
@@ -80,9 +81,39 @@ def test_default_cuda_archs_without_gpu(tmp_path, monkeypatch):
     assert tc.archs == build_utils.DEFAULT_CUDA_ARCHS and "default" in tc.arch_source
 
 
-def test_ptx_of_newest_plain_arch_is_embedded():
-    flags = " ".join(build_utils._cuda_arch_flags(["90a"]))
-    assert "arch=compute_90,code=compute_90" in flags
+def test_ptx_of_the_newest_archs_family_is_embedded():
+    """90a SASS runs on Hopper only; the PTX of its family (compute_90) JITs on newer GPUs."""
+    for archs, ptx in [
+        (["90a"], "90"),
+        (build_utils.DEFAULT_CUDA_ARCHS, "90"),  # what the README promises
+        (["80", "86"], "86"),
+        (["100a", "90a", "80"], "100"),
+    ]:
+        flags = build_utils._cuda_arch_flags(archs)
+        ptx_flags = [f for f in flags if "code=compute_" in f]
+        assert ptx_flags == [f"arch=compute_{ptx},code=compute_{ptx}"], (archs, flags)
+
+
+def test_compiler_source_is_reported(tmp_path):
+    nvcc = _fake_exe(tmp_path / "cuda" / "bin" / "nvcc")
+    env = {"PATH": "", "CUDA_HOME": str(tmp_path / "cuda"), "MUSA_HOME": str(tmp_path / "none")}
+    plan = build_utils.detect_toolchain(env)
+    assert plan.toolchain.compiler == str(nvcc) and plan.toolchain.compiler_source == "CUDA_HOME"
+    assert "found via CUDA_HOME" in build_utils.describe(plan)
+    _fake_exe(tmp_path / "bin" / "nvcc")
+    env = {"PATH": str(tmp_path / "bin"), "MUSA_HOME": str(tmp_path / "none")}
+    assert build_utils.detect_toolchain(env).toolchain.compiler_source == "PATH"
+
+
+def test_progress_lines_go_to_stderr_unless_quiet(capsys):
+    progress = build_utils.Progress({}, use_tty=False)
+    progress.say("mu_space: [1/2] compiling a.mu")
+    progress.close()
+    quiet = build_utils.Progress({"MUSPACE_QUIET": "1"}, use_tty=False)
+    quiet.say("hidden")
+    quiet.close()
+    out, err = capsys.readouterr()
+    assert err == "mu_space: [1/2] compiling a.mu\n" and out == ""
 
 
 def _limit_declarations() -> list[tuple[str, str]]:

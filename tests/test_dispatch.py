@@ -128,3 +128,28 @@ def test_library_for_other_backend_is_explained(monkeypatch):
         native._compute_reason(torch.device("cuda", 0))
         == "native library built for musa, tensors are on cuda"
     )
+
+
+def test_native_calls_on_the_hot_path_are_counted(monkeypatch):
+    """After the first native decision for a (device, dtype), an op counts its native calls in
+    place; records() and reset() see those counts like any other."""
+    from mu_space.ops import _opdef
+
+    op = mu_space.runtime.registry.get("add_one")
+    monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(native, "has_function", lambda name: True)
+    monkeypatch.setattr(op, "_native", lambda c, x: x + 1)
+    _opdef.forget_native_reasons()
+    for _ in range(3):
+        mu_space.ops.add_one(torch.zeros(2))
+    assert op._native_cells, "the hot path was not taken"
+    assert kernel_dispatch.records() == [
+        {"op": "add_one", "backend": "cpu", "reason": "native", "calls": 3}
+    ]
+    kernel_dispatch.reset()
+    assert kernel_dispatch.records() == []
+    mu_space.ops.add_one(torch.zeros(2))
+    assert kernel_dispatch.records()[0]["calls"] == 1
+    kernel_dispatch.set_strict(True)  # strict changes nothing for a native call
+    mu_space.ops.add_one(torch.zeros(2))
+    assert kernel_dispatch.records()[0]["calls"] == 2

@@ -201,8 +201,7 @@ def test_auto_on_cpu_falls_back_with_the_reason_and_strict_forbids_it(op):
 def fresh_entry_points():
     """Ops cache what the library can do: forget what a monkeypatched library said."""
     yield
-    for op in OPS:
-        op._capability_cache.clear()
+    _opdef.forget_native_reasons()
 
 
 @pytest.mark.parametrize("op", [op for op in OPS if op.entry_points], ids=_ids)
@@ -212,8 +211,7 @@ def test_capabilities_come_from_the_library(op, monkeypatch, fresh_entry_points)
     s = samples(op, torch.device("cpu"))[0]
     monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(native, "has_function", lambda name: False)
-    for other in OPS:
-        other._capability_cache.clear()
+    _opdef.forget_native_reasons()
     kernel_dispatch.reset()
     op.api(*s.args, **s.kwargs)
     reasons = {r["reason"] for r in kernel_dispatch.records() if r["op"] == op.name}
@@ -222,7 +220,7 @@ def test_capabilities_come_from_the_library(op, monkeypatch, fresh_entry_points)
         op.api(*s.args, **s.kwargs, backend="native")
     monkeypatch.setattr(native, "has_function", lambda name: True)
     monkeypatch.setattr(native, "build_facts", lambda: {"bf16": False, "limits": {}})
-    op._capability_cache.clear()
+    _opdef.forget_native_reasons()
     if torch.bfloat16 in op.native_dtypes:
         assert "bfloat16" in op._capability_reason(torch.bfloat16, "x")
     assert op._capability_reason(torch.float64, "x") == (

@@ -17,15 +17,16 @@ def add_one_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check(x) -> _opdef.Checked:
-    _checks.check_tensor(x, "x")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating tensor, got {_checks.dtype_name(x.dtype)}")
-    return _opdef.Checked(x.device, x.dtype, ((x.shape, x.dtype),), dtype_arg="x")
+    return _opdef.Checked(x.device, x.dtype, ((x.shape, x.dtype),), None, "x")
 
 
 def _forward_native(c: _opdef.Checked, x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()  # a non-contiguous input costs one copy
-    out = _opdef.new_output(x.shape, x.dtype, x.device)
+    out = _opdef.new_output(x)
     native.function("add_one_forward")(x, out, stream_handle(x))
     return out
 

@@ -416,7 +416,7 @@ def _prepare_native(coor, lower, interval, size, n, n_cells) -> BEVPoolRanks:
     cap = min(n, n_cells)
     stream = stream_handle(coor)
     st = _native_state(OP, device, stream, n_cells, _workspace_ints(n, n_cells))
-    outs = tuple(_opdef.new_output(k, torch.int32, device) for k in (n, n, n, cap, cap))
+    outs = tuple(_opdef.new_output(coor, (k,), torch.int32) for k in (n, n, n, cap, cap))
     k, m = _run_native(
         native.function("bev_pool_prepare_forward"),
         (coor, st.workspace, *outs, *lower, *interval, *size),
@@ -441,7 +441,7 @@ def _sort_native(cell, n_cells) -> CellSort:
     cap = min(n, n_cells)
     stream = stream_handle(cell)
     st = _native_state(SORT_OP, device, stream, n_cells, _workspace_ints(n, n_cells))
-    order, starts, lengths = (_opdef.new_output(k, torch.int32, device) for k in (n, cap, cap))
+    order, starts, lengths = (_opdef.new_output(cell, (k,), torch.int32) for k in (n, cap, cap))
     k, m = _run_native(
         native.function("sort_by_cell_forward"),
         (cell, st.workspace, order, starts, lengths, n_cells),

@@ -359,7 +359,7 @@ def _forward_native(c, depth, feat, ranks_depth, ranks_feat, ranks_bev, *_interv
     feat = feat.contiguous()  # a non-contiguous input costs one copy
     if depth is not None:
         depth = depth.contiguous()
-    out = _opdef.new_output((B, C, Z, Y, X), feat.dtype, feat.device)
+    out = _opdef.new_output(feat, (B, C, Z, Y, X))
     native.function("bev_pool_v2_forward")(
         depth, feat, ranks_depth, ranks_feat, ranks_bev, out, _POINTS_PER_BLOCK, stream_handle(feat)
     )
@@ -430,7 +430,7 @@ def _backward_native(
             C = feat.shape[-1]
             grad_rows = grad_out.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous()
             order = sort_by_cell(ranks_feat, _bev.feat_rows(feat), backend="native").order
-            grad_feat = _opdef.new_output(feat.shape, feat.dtype, feat.device)
+            grad_feat = _opdef.new_output(feat)
             native.function("bev_pool_v2_backward_feat_sorted")(
                 grad_rows,
                 depth,

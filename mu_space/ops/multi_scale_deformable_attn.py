@@ -400,7 +400,7 @@ def _forward_native(
 ) -> torch.Tensor:
     bs, num_keys, heads, head_dim, queries, levels, points = c.info
     meta = _level_meta(value_spatial_shapes, value_level_start_index, num_keys, value.device)
-    out = _opdef.new_output((bs, queries, heads * head_dim), value.dtype, value.device)
+    out = _opdef.new_output(value, (bs, queries, heads * head_dim))
     if out.numel() == 0:
         return out
     if levels * points == 0:  # nothing is sampled: no launch
@@ -449,9 +449,9 @@ def _backward_native(
     attention_weights = attention_weights.contiguous()
     grad_output = grad_output.to(value.dtype).contiguous()  # autograd may hand an expanded view
     # written in full by the native backward (grad_value zero-filled there)
-    grad_value = _opdef.new_output(value.shape, value.dtype, value.device)
-    grad_loc = _opdef.new_output(sampling_locations.shape, value.dtype, value.device)
-    grad_attn = _opdef.new_output(attention_weights.shape, value.dtype, value.device)
+    grad_value = _opdef.new_output(value)
+    grad_loc = _opdef.new_output(sampling_locations)
+    grad_attn = _opdef.new_output(attention_weights)
     stream = stream_handle(value)
     device = value.device
     backward = native.function("multi_scale_deformable_attn_backward")

@@ -26,6 +26,8 @@ REFERENCE = "reference"
 
 _log = logging.getLogger("mu_space.dispatch")
 _counts: dict[tuple[str, str, str], int] = {}
+# (op, backend) -> [calls] of native decisions that an operator counts itself on its fast path
+_native_cells: dict[tuple[str, str], list] = {}
 _strict = os.environ.get("MUSPACE_STRICT", "0") not in ("", "0")
 _log_enabled = False
 _handler: logging.Handler | None = None
@@ -72,38 +74,69 @@ def use_native(op: str, backend: str, device: torch.device, unsupported=None) ->
     kernel lacks), or None; or a function returning that, asked only where the library runs.
     """
     if backend == REFERENCE:
-        _counts[op, REFERENCE, "requested"] = _counts.get((op, REFERENCE, "requested"), 0) + 1
-        if _log_enabled:
-            _log.info("%s -> %s (%s)", op, REFERENCE, "requested")
-        return False
-    if backend != "auto":
-        if backend not in BACKENDS:
-            raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
-        if backend != "native" and device.type != backend:
-            raise DispatchError(f"{op}: backend={backend!r} needs {backend} tensors, got {device}")
+        return decide(op, backend, device, None)
     reason = native.unavailable_reason(device)
     if reason is None and unsupported is not None:
         reason = unsupported() if callable(unsupported) else unsupported
-    if reason is None:
-        record(op, device.type, "native")
-        return True
-    if backend != "auto":
+    return decide(op, backend, device, reason)
+
+
+def decide(op: str, backend: str, device: torch.device, reason: str | None) -> bool:
+    """use_native with the reason already known: None when the native path can run (the library
+    runs on `device` and takes these inputs), else why not."""
+    if backend == "auto":
+        if reason is None:  # the hot path: the record inline (a call costs ~0.1 us)
+            key = (op, device.type, "native")
+            _counts[key] = _counts.get(key, 0) + 1
+            if _log_enabled:
+                _log.info("%s -> %s (%s)", op, device.type, "native")
+            return True
+        if _strict:
+            raise DispatchError(f"{op}: strict mode forbids the reference fallback: {reason}")
+        record(op, REFERENCE, reason)
+        return False
+    if backend == REFERENCE:
+        record(op, REFERENCE, "requested")
+        return False
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "native" and device.type != backend:
+        raise DispatchError(f"{op}: backend={backend!r} needs {backend} tensors, got {device}")
+    if reason is not None:
         raise DispatchError(f"{op}: backend={backend!r} unavailable: {reason}")
-    if _strict:
-        raise DispatchError(f"{op}: strict mode forbids the reference fallback: {reason}")
-    record(op, REFERENCE, reason)
-    return False
+    record(op, device.type, "native")
+    return True
+
+
+def native_counter(op: str, backend: str) -> list:
+    """A one-element list counting `op`'s native calls on `backend`: an operator's eager fast path
+    adds to it directly (one increment per call) and records() reports it with the rest."""
+    cell = _native_cells.get((op, backend))
+    if cell is None:
+        cell = _native_cells[op, backend] = [0]
+    return cell
 
 
 def records() -> list[dict]:
+    counts = dict(_counts)
+    for (op, backend), cell in _native_cells.items():
+        if cell[0]:
+            key = (op, backend, "native")
+            counts[key] = counts.get(key, 0) + cell[0]
     return [
         {"op": op, "backend": backend, "reason": reason, "calls": calls}
-        for (op, backend, reason), calls in sorted(_counts.items())
+        for (op, backend, reason), calls in sorted(counts.items())
     ]
+
+
+def logging_enabled() -> bool:
+    return _log_enabled
 
 
 def reset() -> None:
     _counts.clear()
+    for cell in _native_cells.values():
+        cell[0] = 0
 
 
 def report() -> str:

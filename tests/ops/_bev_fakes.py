@@ -130,7 +130,7 @@ def _route_native_composition(monkeypatch, sort, pool):
     monkeypatch.setattr(native, "has_function", lambda name: True)
     monkeypatch.setattr(native, "build_facts", lambda: {"bf16": True, "limits": _LIMITS})
     for op in registry.operators():
-        monkeypatch.setattr(op, "_capability_cache", {})
+        op.forget_native_reasons()
 
 
 def install_reference_primitives(monkeypatch):
