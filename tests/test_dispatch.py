@@ -153,3 +153,21 @@ def test_native_calls_on_the_hot_path_are_counted(monkeypatch):
     kernel_dispatch.set_strict(True)  # strict changes nothing for a native call
     mu_space.ops.add_one(torch.zeros(2))
     assert kernel_dispatch.records()[0]["calls"] == 2
+
+
+def test_logging_turned_on_later_logs_hot_path_calls_too(monkeypatch, caplog):
+    from mu_space.ops import _opdef
+
+    op = mu_space.runtime.registry.get("add_one")
+    monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(native, "has_function", lambda name: True)
+    monkeypatch.setattr(op, "_native", lambda c, x: x + 1)
+    _opdef.forget_native_reasons()
+    mu_space.ops.add_one(torch.zeros(2))
+    kernel_dispatch.set_logging(True)
+    try:
+        with caplog.at_level("INFO", logger="mu_space.dispatch"):
+            mu_space.ops.add_one(torch.zeros(2))
+    finally:
+        kernel_dispatch.set_logging(False)
+    assert "add_one -> cpu (native)" in caplog.text

@@ -180,7 +180,12 @@ class Operator:
                     return self._wrap(self.custom_op(*args, backend))
         # the eager path: no dispatcher
         c = self._check(*args)
-        if backend == "auto" and native._status is self._reason_status:
+        # (logged calls take the recording path; the flag is read directly, not through a call)
+        if (
+            backend == "auto"
+            and native._status is self._reason_status
+            and not kernel_dispatch._log_enabled
+        ):
             # the hot path: native already chosen for this device and dtype, counted in place
             cell = self._native_cells.get((c.device, c.dtype))
             if cell is not None and (self._supports is None or self._supports(c) is None):
@@ -189,7 +194,7 @@ class Operator:
                 return out if self._result is None else self._result(*out)
         reason = None if backend == "reference" else self.native_reason(c)
         if kernel_dispatch.decide(self.name, backend, c.device, reason):
-            if backend == "auto" and not kernel_dispatch.logging_enabled():
+            if backend == "auto" and not kernel_dispatch._log_enabled:
                 self._native_cells[c.device, c.dtype] = kernel_dispatch.native_counter(
                     self.name, c.device.type
                 )

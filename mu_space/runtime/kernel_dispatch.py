@@ -129,10 +129,6 @@ def records() -> list[dict]:
     ]
 
 
-def logging_enabled() -> bool:
-    return _log_enabled
-
-
 def reset() -> None:
     _counts.clear()
     for cell in _native_cells.values():
