@@ -75,6 +75,7 @@ def environment(device: torch.device) -> dict:
         "tvm_ffi_runtime": st.tvm_ffi_runtime,
         "native_library": st.path,
         "native_unavailable_reason": st.reason or None,
+        "native_build_facts": {k: v for k, v in native.build_facts().items() if k != "limits"},
         "native_usable_on_device": native.unavailable_reason(device) is None,
         "native_device_reason": native.unavailable_reason(device),
         "strict": kernel_dispatch.is_strict(),
