@@ -1,4 +1,5 @@
-"""Native build for muSPACE: one shared library from the `.mu` sources in `EXTENSION_SOURCES`.
+"""Native build for muSPACE: one shared library from the `.mu` sources in `EXTENSION_SOURCES`
+(every `csrc/**/*.mu` not in `EXCLUDED_SOURCES`).
 
 Used by `setup.py` (wheel / editable installs) and directly for development builds:
 
@@ -10,9 +11,14 @@ Toolchain choice (first match wins):
 - `mcc` under `MUSA_HOME` (default /usr/local/musa)  -> MUSA build, `--offload-arch=mp_$MUSA_ARCH`
 - `nvcc` (CUDA_HOME/bin or PATH)                     -> CUDA build, `.mu` compiled with `-x cu`;
   arch from `CUDA_ARCH` ("90a", "80;90a" or "80,90a"), else the visible GPU's, else
-  `DEFAULT_CUDA_ARCHS` (+ PTX of the newest for forward compatibility)
+  `DEFAULT_CUDA_ARCHS`; plus PTX of the newest arch's family (90a -> compute_90), so newer GPUs
+  can JIT-compile the library
 - neither                        -> no native library, with one line saying why.
 A failed compile when a toolchain is present raises: it is never silently skipped.
+
+Progress ("[2/5] compiling csrc/...", the link, the plan) goes to stderr; when stdout and stderr
+are not terminals (pip without -v hides the build's output) also to /dev/tty where it opens.
+MUSPACE_QUIET=1 silences it.
 
 The library links against libtvm_ffi from the `apache-tvm-ffi` package (not bundled); that
 package is loaded first at run time, so the loader resolves it by soname.
@@ -26,6 +32,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -33,23 +41,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 
-# The one list of native sources. Every `.mu` under csrc/ is listed here or in
-# EXCLUDED_SOURCES (with the reason); tests/test_build_sources.py enforces it.
-EXTENSION_SOURCES = [
-    "csrc/ffi/muspace_ops.mu",
-    "csrc/ffi/fill.mu",
-    "csrc/attention/ms_deform_attn_musa.mu",
-    "csrc/bev/bev_pool_prepare_musa.mu",
-    "csrc/bev/bev_pool_v2_musa.mu",
-]
+# Sources kept out of the library: path -> reason (tests/test_build_sources.py wants one).
 EXCLUDED_SOURCES: dict[str, str] = {}
+# The build smoke (add_one, build facts): compiled first.
+SMOKE_SOURCE = "csrc/ffi/muspace_ops.mu"
+
+
+def _extension_sources() -> list[str]:
+    found = (p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").rglob("*.mu"))
+    kept = [src for src in found if src not in EXCLUDED_SOURCES]
+    return sorted(kept, key=lambda src: (src != SMOKE_SOURCE, src))
+
+
+# The one list of native sources, from the tree: a new operator's .mu needs no edit here.
+EXTENSION_SOURCES = _extension_sources()
 
 LIBRARY_FILE = "libmuspace_native.so"
 BUILD_INFO_FILE = "build_info.json"
 PACKAGE_LIB_DIR = Path("mu_space") / "_lib"
 
-# Ampere, Ada, Hopper. sm_90a SASS uses Hopper-only instructions; compute_90 PTX lets newer
-# GPUs JIT-compile the library.
+# Ampere, Ada, Hopper. sm_90a SASS uses Hopper-only instructions; the compute_90 PTX embedded
+# with it lets newer GPUs JIT-compile the library.
 DEFAULT_CUDA_ARCHS = ["80", "86", "89", "90a"]
 DEFAULT_MUSA_ARCH = "22"
 
@@ -61,6 +73,7 @@ class Toolchain:
     archs: list[str]
     arch_source: str  # where the arch list came from
     version: str = ""
+    compiler_source: str = ""  # where the compiler was found: "PATH", "CUDA_HOME", "MUSA_HOME"
 
 
 @dataclass
@@ -97,10 +110,18 @@ def _visible_cuda_archs() -> list[str]:
 
 
 def _find_nvcc(env) -> str | None:
-    cuda_home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
-    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
-        return str(Path(cuda_home) / "bin" / "nvcc")
-    return shutil.which("nvcc", path=env.get("PATH", os.defpath))
+    return _locate_nvcc(env)[0]
+
+
+def _locate_nvcc(env) -> tuple[str | None, str]:
+    """(nvcc, where it was found: "CUDA_HOME" / "CUDA_PATH" / "PATH")."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = env.get(var)
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc"), var
+        if home:
+            break  # CUDA_PATH is only a fallback for an unset CUDA_HOME
+    return shutil.which("nvcc", path=env.get("PATH", os.defpath)), "PATH"
 
 
 def detect_toolchain(env=None) -> BuildPlan:
@@ -115,10 +136,15 @@ def detect_toolchain(env=None) -> BuildPlan:
         version = _run_text([str(mcc), "--version"]).strip().splitlines()[:1]
         return BuildPlan(
             Toolchain(
-                "musa", str(mcc), [arch or DEFAULT_MUSA_ARCH], source, version[0] if version else ""
+                "musa",
+                str(mcc),
+                [arch or DEFAULT_MUSA_ARCH],
+                source,
+                version[0] if version else "",
+                "MUSA_HOME",
             )
         )
-    nvcc = _find_nvcc(env)
+    nvcc, nvcc_source = _locate_nvcc(env)
     if nvcc:
         if env.get("CUDA_ARCH"):
             archs, source = _parse_arch_list(env["CUDA_ARCH"]), "CUDA_ARCH"
@@ -128,7 +154,9 @@ def detect_toolchain(env=None) -> BuildPlan:
             archs, source = list(DEFAULT_CUDA_ARCHS), "default list (no CUDA_ARCH, no visible GPU)"
         version = [l for l in _run_text([nvcc, "--version"]).splitlines() if "release" in l]
         return BuildPlan(
-            Toolchain("cuda", nvcc, archs, source, version[0].strip() if version else "")
+            Toolchain(
+                "cuda", nvcc, archs, source, version[0].strip() if version else "", nvcc_source
+            )
         )
     return BuildPlan(
         None,
@@ -147,14 +175,19 @@ def _tvm_ffi_paths() -> tuple[list[str], str, str]:
     return includes, lib_dir, tvm_ffi_version
 
 
+def _arch_family(arch: str) -> str:
+    """The portable arch of a target: "90a" -> "90" (arch-specific "a" / family "f" suffixes)."""
+    return arch.rstrip("af")
+
+
 def _cuda_arch_flags(archs: list[str]) -> list[str]:
     flags = []
     for arch in archs:
         flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
-    newest_portable = max((a for a in archs if a.isdigit()), key=int, default=None)
-    if newest_portable is None:  # only "a" targets: PTX of the plain family still helps
-        newest_portable = archs[-1].rstrip("a")
-    flags += ["-gencode", f"arch=compute_{newest_portable},code=compute_{newest_portable}"]
+    # PTX of the newest arch's family: "a" SASS runs on that arch only, its family's PTX JITs on
+    # every newer GPU.
+    newest = _arch_family(max(archs, key=lambda a: int(_arch_family(a))))
+    flags += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
     return flags
 
 
@@ -211,6 +244,69 @@ def link_command(tc: Toolchain, objs: list[Path], out: Path, tvm_lib_dir: str) -
     return [tc.compiler, "-shared", f"-L{musa_lib}", "-lmusart", f"-Wl,-rpath,{musa_lib}", *common]
 
 
+class Progress:
+    """Progress lines for a person. Always on stderr; also on the terminal (/dev/tty) when a
+    PEP 517 frontend captures both stdout and stderr and will not show them: pip without -v
+    shows only its spinner until the build ends (with -v it prints the build's output itself).
+    MUSPACE_QUIET=1: silent."""
+
+    def __init__(self, env=None, use_tty: bool = True):
+        env = os.environ if env is None else env
+        self.quiet = env.get("MUSPACE_QUIET", "") == "1"
+        self.tty = None
+        self.lock = threading.Lock()
+        if use_tty and not self.quiet and _output_hidden(env):
+            try:
+                self.tty = open("/dev/tty", "w")  # closed by close()
+            except OSError:
+                self.tty = None
+
+    def say(self, line: str) -> None:
+        if self.quiet:
+            return
+        with self.lock:
+            print(line, file=sys.stderr, flush=True)
+            if self.tty is not None:
+                # On its own line, ending in spaces: pip's spinner overwrites the last
+                # character written, and then sits after our line instead of inside it.
+                try:
+                    self.tty.write(f"\n{line}  ")
+                    self.tty.flush()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        if self.tty is not None:
+            try:
+                self.tty.close()
+            except OSError:
+                pass
+            self.tty = None
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _output_hidden(env) -> bool:
+    """Whether a build frontend captures this process's output without showing it: a PEP 517
+    hook (PEP517_BUILD_BACKEND) with stdout and stderr not terminals, and not pip -v."""
+    if "PEP517_BUILD_BACKEND" not in env or _isatty(sys.stdout) or _isatty(sys.stderr):
+        return False
+    if env.get("PIP_VERBOSE", "0") not in ("", "0"):
+        return False
+    try:  # the hook runs as a child of pip: its command line says whether -v was given
+        args = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    words = [a.decode(errors="replace") for a in args]
+    verbose = any(w == "--verbose" or (w.startswith("-v") and set(w[1:]) == {"v"}) for w in words)
+    return not verbose
+
+
 def _run_checked(cmd: list[str], what: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -220,31 +316,83 @@ def _run_checked(cmd: list[str], what: str) -> None:
         )
 
 
-def build(plan: BuildPlan, out_dir: Path, jobs: int | None = None, verbose: bool = False) -> Path:
+def build(
+    plan: BuildPlan,
+    out_dir: Path,
+    jobs: int | None = None,
+    verbose: bool = False,
+    progress: Progress | None = None,
+) -> Path:
     """Compile every source in parallel, link one library into `out_dir`, write build_info."""
     tc = plan.toolchain
     if tc is None:
         raise RuntimeError(f"no native build possible: {plan.skip_reason}")
+    own_progress = progress is None
+    progress = progress or Progress()
+    try:
+        return _build(plan, tc, Path(out_dir), jobs, verbose, progress)
+    finally:
+        if own_progress:
+            progress.close()
+
+
+def _schedule(sources: list[str]) -> list[str]:
+    """Largest sources first (a proxy for compile time), so the longest compile starts early."""
+    return sorted(sources, key=lambda src: -(ROOT / src).stat().st_size)
+
+
+def _build(
+    plan: BuildPlan, tc: Toolchain, out_dir: Path, jobs, verbose: bool, progress: Progress
+) -> Path:
     includes, tvm_lib_dir, tvm_ffi_version = _tvm_ffi_paths()
-    out_dir = Path(out_dir)
-    obj_dir = ROOT / "build" / f"native-{tc.backend}-{'_'.join(tc.archs)}"
-    obj_dir.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Objects in a private directory: concurrent builds (other outputs) never share them.
+    with tempfile.TemporaryDirectory(prefix="muspace-objs-") as obj_dir:
+        return _compile_and_link(
+            plan,
+            tc,
+            out_dir,
+            Path(obj_dir),
+            includes,
+            tvm_lib_dir,
+            tvm_ffi_version,
+            jobs,
+            verbose,
+            progress,
+        )
+
+
+def _compile_and_link(
+    plan, tc, out_dir, obj_dir, includes, tvm_lib_dir, tvm_ffi_version, jobs, verbose, progress
+) -> Path:
     jobs = jobs or int(os.environ.get("MAX_JOBS", 0)) or os.cpu_count() or 1
     started = time.time()
+    total = len(plan.sources)
+    counter = iter(range(1, total + 1))
 
     def compile_one(src: str) -> Path:
         obj = obj_dir / (src.replace("/", "__") + ".o")
         cmd = compile_command(tc, ROOT / src, obj, includes)
+        with progress.lock:
+            step = next(counter)
+        progress.say(f"mu_space: [{step}/{total}] compiling {src}")
         if verbose:
             print("$", " ".join(cmd), flush=True)
         _run_checked(cmd, f"compiling {src}")
         return obj
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        objs = list(pool.map(compile_one, plan.sources))
+        done = dict(zip(_schedule(plan.sources), pool.map(compile_one, _schedule(plan.sources))))
+    objs = [done[src] for src in plan.sources]
     library = out_dir / LIBRARY_FILE
-    _run_checked(link_command(tc, objs, library, tvm_lib_dir), "linking")
+    progress.say(f"mu_space: linking {library}")
+    # Linked next to it and renamed: a process loading the library never sees a partial file.
+    partial = out_dir / f".{LIBRARY_FILE}.{os.getpid()}.partial"
+    try:
+        _run_checked(link_command(tc, objs, partial, tvm_lib_dir), "linking")
+        os.replace(partial, library)
+    finally:
+        partial.unlink(missing_ok=True)
     info = {
         "backend": tc.backend,
         "archs": tc.archs,
@@ -257,10 +405,9 @@ def build(plan: BuildPlan, out_dir: Path, jobs: int | None = None, verbose: bool
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (out_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    print(
+    progress.say(
         f"mu_space: built {library} for {tc.backend} {','.join(tc.archs)} "
-        f"in {info['build_seconds']} s",
-        flush=True,
+        f"in {info['build_seconds']} s"
     )
     return library
 
@@ -269,8 +416,9 @@ def describe(plan: BuildPlan) -> str:
     if plan.toolchain is None:
         return f"mu_space: building without the native library: {plan.skip_reason}"
     tc = plan.toolchain
+    found = f" (found via {tc.compiler_source})" if tc.compiler_source else ""
     return (
-        f"mu_space: native {tc.backend} build with {tc.compiler} for "
+        f"mu_space: native {tc.backend} build with {tc.compiler}{found} for "
         f"{','.join(tc.archs)} ({tc.arch_source}), {len(plan.sources)} sources"
     )
 
@@ -284,24 +432,28 @@ def main(argv=None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     plan = detect_toolchain()
-    print(describe(plan))
-    if args.plan:
-        print(
-            json.dumps(
-                {
-                    "toolchain": asdict(plan.toolchain) if plan.toolchain else None,
-                    "skip_reason": plan.skip_reason,
-                    "sources": plan.sources,
-                },
-                indent=2,
+    progress = Progress()
+    try:
+        progress.say(describe(plan))
+        if args.plan:
+            print(
+                json.dumps(
+                    {
+                        "toolchain": asdict(plan.toolchain) if plan.toolchain else None,
+                        "skip_reason": plan.skip_reason,
+                        "sources": plan.sources,
+                    },
+                    indent=2,
+                )
             )
-        )
+            return 0
+        if plan.toolchain is None:
+            return 1
+        out = args.out or (ROOT / PACKAGE_LIB_DIR if args.inplace else ROOT / "build" / "lib")
+        build(plan, out, jobs=args.jobs, verbose=args.verbose, progress=progress)
         return 0
-    if plan.toolchain is None:
-        return 1
-    out = args.out or (ROOT / PACKAGE_LIB_DIR if args.inplace else ROOT / "build" / "lib")
-    build(plan, out, jobs=args.jobs, verbose=args.verbose)
-    return 0
+    finally:
+        progress.close()
 
 
 if __name__ == "__main__":

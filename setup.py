@@ -31,15 +31,21 @@ def _tvm_ffi_requirement() -> str:
 class BuildPyWithNative(build_py):
     def run(self):
         super().run()
-        print(build_utils.describe(PLAN), flush=True)
-        if self.editable_mode:
-            out = Path(__file__).resolve().parent / build_utils.PACKAGE_LIB_DIR
-        else:
-            out = Path(self.build_lib) / build_utils.PACKAGE_LIB_DIR
-            # A development build in the source tree must not leak into the wheel.
-            shutil.rmtree(out, ignore_errors=True)
-        if PLAN.toolchain is not None:
-            build_utils.build(PLAN, out, jobs=int(os.environ.get("MAX_JOBS", 0)) or None)
+        # Progress reaches the terminal even where pip hides the build's output (no -v).
+        progress = build_utils.Progress()
+        try:
+            progress.say(build_utils.describe(PLAN))
+            if self.editable_mode:
+                out = Path(__file__).resolve().parent / build_utils.PACKAGE_LIB_DIR
+            else:
+                out = Path(self.build_lib) / build_utils.PACKAGE_LIB_DIR
+                # A development build in the source tree must not leak into the wheel.
+                shutil.rmtree(out, ignore_errors=True)
+            if PLAN.toolchain is not None:
+                jobs = int(os.environ.get("MAX_JOBS", 0)) or None
+                build_utils.build(PLAN, out, jobs=jobs, progress=progress)
+        finally:
+            progress.close()
 
 
 class NativeDistribution(Distribution):
