@@ -32,7 +32,7 @@ CLASSES = {
     "stg": re.compile(r"\bSTG\b"),
     "lds": re.compile(r"\bLDS\b"),
     "sts": re.compile(r"\bSTS\b"),
-    "red_atom": re.compile(r"\b(?:RED|ATOM|ATOMG|ATOMS)\b"),
+    "red_atom": re.compile(r"\b(?:RED|REDG|REDAS|REDUX|ATOM|ATOMG|ATOMS)\b"),
     "bar": re.compile(r"\bBAR\b"),
     "local": re.compile(r"\b(?:LDL|STL)\b"),
 }
