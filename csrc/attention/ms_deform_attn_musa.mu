@@ -293,6 +293,39 @@ __device__ __forceinline__ void advance(int& p, int& l, const Dims& d) {
   }
 }
 
+// Thread t of a kernel's grid-stride walk serves lane `lane` of group g = (b * Q + q) * heads + h,
+// whose value rows start at element `value_offset`. Threads past the end (t >= total) are
+// inactive and take group 0.
+struct GroupLane {
+  bool active;
+  int lane, h;
+  int64_t g, b, value_offset;
+};
+
+__device__ __forceinline__ GroupLane group_lane(int64_t t, int64_t total, int G, const Dims& d) {
+  GroupLane r;
+  r.active = t < total;
+  r.g = r.active ? t >> d.log2g : 0;
+  r.lane = static_cast<int>(t & (G - 1));
+  const int64_t bq = r.g / d.heads;
+  r.h = static_cast<int>(r.g - bq * d.heads);
+  r.b = bq / d.Q;
+  r.value_offset = (r.b * d.K * d.heads + r.h) * d.D;
+  return r;
+}
+
+// The prefetched chunk becomes the current one.
+__device__ __forceinline__ void take_chunk(float (&x)[kChunk], float (&y)[kChunk],
+                                           float (&w)[kChunk], const float (&nx)[kChunk],
+                                           const float (&ny)[kChunk], const float (&nw)[kChunk]) {
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) {
+    x[i] = nx[i];
+    y[i] = ny[i];
+    w[i] = nw[i];
+  }
+}
+
 // ------------------------------------------------------------------------------- forward
 
 // Locations and weights of chunk s0 of a group, or "outside, weight 0" past the last chunk.
@@ -333,14 +366,11 @@ __global__ void __launch_bounds__(kBlockMax, 1)
   const bool share = VEC > 1 && G >= kChunk;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < total;
        base += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = base + threadIdx.x;
-    const bool active = t < total;
-    const int64_t g = active ? t >> d.log2g : 0;
-    const int lane = static_cast<int>(t & (G - 1));
-    const int64_t bq = g / d.heads;
-    const int h = static_cast<int>(g - bq * d.heads);
-    const int64_t b = bq / d.Q;
-    const T* vbase = value + (b * d.K * d.heads + h) * d.D;
+    const GroupLane gl = group_lane(base + threadIdx.x, total, G, d);
+    const bool active = gl.active;
+    const int64_t g = gl.g;
+    const int lane = gl.lane;
+    const T* vbase = value + gl.value_offset;
     int ch[NV];
     bool chok[NV];
     const T* vlane[NV];
@@ -450,14 +480,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
 #pragma unroll 1
           for (int i0 = 0; i0 < kChunk; i0 += SB) batch(i0);
         }
-        if constexpr (kPrefetch) {
-#pragma unroll
-          for (int i = 0; i < kChunk; ++i) {
-            x[i] = nx[i];
-            y[i] = ny[i];
-            w[i] = nw[i];
-          }
-        }
+        if constexpr (kPrefetch) take_chunk(x, y, w, nx, ny, nw);
       }
     };
     if constexpr (VEC > 1) {  // (the generic path keeps its registers for its 8 channels)
@@ -478,6 +501,20 @@ __global__ void __launch_bounds__(kBlockMax, 1)
 
 // ------------------------------------------------------------------------------ backward
 
+// One reduce-scatter step over lane bit o: lanes without the bit keep v[0, N), lanes with it keep
+// v[N, 2N) (moved to v[0, N)), each adding its partner's copy. Returns whether the bit is set.
+template <int N>
+__device__ __forceinline__ bool halve(float (&v)[16], int o, int G, int lane) {
+  const bool up = (lane & o) != 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float send = up ? v[j] : v[j + N];
+    const float keep = up ? v[j + N] : v[j];
+    v[j] = keep + __shfl_xor_sync(kFullMask, send, o, G);
+  }
+  return up;
+}
+
 // Reduces v[16] = 4 samples x 4 corner dot products (sample-major) over the G lanes of a group
 // with a reduce-scatter: 8 + 4 shuffles halve the values twice, then plain butterflies finish
 // the sum. Afterwards a lane holds the full sums of samples first .. first + owned - 1 in
@@ -485,28 +522,8 @@ __global__ void __launch_bounds__(kBlockMax, 1)
 // differ only in the bits below G / 4 hold the same sample). Returns first.
 __device__ __forceinline__ int reduce_dots(float (&v)[16], int G, int lane) {
   int first = 0;
-  if (G >= 2) {
-    const int o = G >> 1;
-    const bool up = (lane & o) != 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float send = up ? v[j] : v[j + 8];
-      const float keep = up ? v[j + 8] : v[j];
-      v[j] = keep + __shfl_xor_sync(kFullMask, send, o, G);
-    }
-    first = up ? 2 : 0;
-  }
-  if (G >= 4) {
-    const int o = G >> 2;
-    const bool up = (lane & o) != 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float send = up ? v[j] : v[j + 4];
-      const float keep = up ? v[j + 4] : v[j];
-      v[j] = keep + __shfl_xor_sync(kFullMask, send, o, G);
-    }
-    first += up ? 1 : 0;
-  }
+  if (G >= 2) first = halve<8>(v, G >> 1, G, lane) ? 2 : 0;
+  if (G >= 4) first += halve<4>(v, G >> 2, G, lane) ? 1 : 0;
   for (int o = G >> 3; o >= 1; o >>= 1) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] += __shfl_xor_sync(kFullMask, v[j], o, G);
@@ -562,16 +579,12 @@ __global__ void __launch_bounds__(kBlockMax, 1)
   // shuffle; lanes past the end work on zeros and write nothing.
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < total;
        base += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = base + threadIdx.x;
-    const bool active = t < total;
-    const int64_t g = active ? t >> d.log2g : 0;
-    const int lane = static_cast<int>(t & (G - 1));
-    const int64_t bq = g / d.heads;
-    const int h = static_cast<int>(g - bq * d.heads);
-    const int64_t b = bq / d.Q;
-    const int64_t vofs = (b * d.K * d.heads + h) * d.D;
-    const T* vrow = value + vofs;
-    float* arow = gacc + vofs;
+    const GroupLane gl = group_lane(base + threadIdx.x, total, G, d);
+    const bool active = gl.active;
+    const int64_t g = gl.g;
+    const int lane = gl.lane;
+    const T* vrow = value + gl.value_offset;
+    float* arow = gacc + gl.value_offset;
     int ch[NV];
     bool chok[NV];
     float go[NV][VEC];
@@ -633,7 +646,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
     }
     const T* gloc = loc + g * d.LP * 2;
     const T* gattn = attn + g * d.LP;
-    const int64_t key_base = (b * d.heads + h) * (3 * static_cast<int64_t>(d.K) + 2 * d.L);
+    const int64_t key_base = (gl.b * d.heads + gl.h) * (3 * static_cast<int64_t>(d.K) + 2 * d.L);
     // Locations and weights one chunk ahead, as in the forward; inactive lanes sample nothing.
     float x[kChunk], y[kChunk], w[kChunk];
     if constexpr (kPrefetch) {
@@ -760,14 +773,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
           }
         }
       }
-      if constexpr (kPrefetch) {
-#pragma unroll
-        for (int i = 0; i < kChunk; ++i) {
-          x[i] = nx[i];
-          y[i] = ny[i];
-          w[i] = nw[i];
-        }
-      }
+      if constexpr (kPrefetch) take_chunk(x, y, w, nx, ny, nw);
     }
     if (kMerge && !deterministic) scatter(pend);
   }
@@ -1041,39 +1047,60 @@ void check_grad_output(const TensorView& grad_output, const TensorView& value, c
 }
 
 // Kernel launchers, instantiated per (dtype, VEC, NV) by dispatch().
-struct ForwardLaunch {
-  const void *value, *shapes, *starts, *loc, *attn;
-  void* out;
-  bool shapes_i64, starts_i64, vec_meta;
+// What every kernel of this file takes besides its own tensors: the level metadata, the
+// per-sample tensors, the problem sizes and the launch shape (one thread per group lane).
+struct Common {
+  const void *shapes, *starts, *loc, *attn;
+  bool shapes_i64, starts_i64;
   Dims d;
   int grid, block;
   gpuStream_t stream;
+};
+
+Common common_args(const TensorView& shapes, const TensorView& starts, const TensorView& loc,
+                   const TensorView& attn, const Dims& d, int64_t threads, int block, int device_id,
+                   gpuStream_t stream) {
+  return Common{data_of<const void>(shapes),
+                data_of<const void>(starts),
+                data_of<const void>(loc),
+                data_of<const void>(attn),
+                is_int64(shapes),
+                is_int64(starts),
+                d,
+                grid_for(threads, block, device_id, 0),
+                block,
+                stream};
+}
+
+struct ForwardLaunch {
+  Common c;
+  const void* value;
+  void* out;
+  bool vec_meta;
   template <typename T, int VEC, int NV>
   void run() {
-    forward_kernel<T, VEC, NV><<<grid, block, 0, stream>>>(
-        static_cast<const T*>(value), shapes, shapes_i64, starts, starts_i64,
-        static_cast<const T*>(loc), static_cast<const T*>(attn), static_cast<T*>(out), d, vec_meta);
+    forward_kernel<T, VEC, NV><<<c.grid, c.block, 0, c.stream>>>(
+        static_cast<const T*>(value), c.shapes, c.shapes_i64, c.starts, c.starts_i64,
+        static_cast<const T*>(c.loc), static_cast<const T*>(c.attn), static_cast<T*>(out), c.d,
+        vec_meta);
     check_launch("multi_scale_deformable_attn forward_kernel");
   }
 };
 
 struct BackwardLaunch {
-  const void *grad_output, *value, *shapes, *starts, *loc, *attn;
+  Common c;
+  const void *grad_output, *value;
   float* gacc;
   void *grad_loc, *grad_attn, *keys;
   bool keys_i64;
   int64_t key_space;
-  bool shapes_i64, starts_i64, vec_meta;
-  bool merge;
-  Dims d;
-  int grid, block;
-  gpuStream_t stream;
+  bool vec_meta, merge;
   template <typename T, int VEC, int NV, bool kMerge>
   void launch() {
-    backward_kernel<T, VEC, NV, kMerge><<<grid, block, 0, stream>>>(
-        static_cast<const T*>(grad_output), static_cast<const T*>(value), shapes, shapes_i64,
-        starts, starts_i64, static_cast<const T*>(loc), static_cast<const T*>(attn), gacc,
-        static_cast<T*>(grad_loc), static_cast<T*>(grad_attn), keys, keys_i64, key_space, d,
+    backward_kernel<T, VEC, NV, kMerge><<<c.grid, c.block, 0, c.stream>>>(
+        static_cast<const T*>(grad_output), static_cast<const T*>(value), c.shapes, c.shapes_i64,
+        c.starts, c.starts_i64, static_cast<const T*>(c.loc), static_cast<const T*>(c.attn), gacc,
+        static_cast<T*>(grad_loc), static_cast<T*>(grad_attn), keys, keys_i64, key_space, c.d,
         vec_meta);
     check_launch("multi_scale_deformable_attn backward_kernel");
   }
@@ -1087,21 +1114,18 @@ struct BackwardLaunch {
 };
 
 struct GatherLaunch {
-  const void *grad_output, *shapes, *starts, *loc, *attn;
+  Common c;
+  const void* grad_output;
   const int64_t *perm, *cell_start;
   int64_t n_samples;
   void* grad_value;
   int bs;
-  bool shapes_i64, starts_i64;
-  Dims d;
-  int grid, block;
-  gpuStream_t stream;
   template <typename T, int VEC, int NV>
   void run() {
-    gather_value_grad_kernel<T, VEC, NV><<<grid, block, 0, stream>>>(
-        static_cast<const T*>(grad_output), shapes, shapes_i64, starts, starts_i64,
-        static_cast<const T*>(loc), static_cast<const T*>(attn), perm, cell_start, n_samples,
-        static_cast<T*>(grad_value), bs, d);
+    gather_value_grad_kernel<T, VEC, NV><<<c.grid, c.block, 0, c.stream>>>(
+        static_cast<const T*>(grad_output), c.shapes, c.shapes_i64, c.starts, c.starts_i64,
+        static_cast<const T*>(c.loc), static_cast<const T*>(c.attn), perm, cell_start, n_samples,
+        static_cast<T*>(grad_value), bs, c.d);
     check_launch("multi_scale_deformable_attn gather_value_grad_kernel");
   }
 };
@@ -1132,19 +1156,11 @@ void multi_scale_deformable_attn_forward(TensorView value, TensorView spatial_sh
   d.log2g = cfg.log2g;
   const int device_id = value.device().device_id;
   DeviceGuard guard(device_id);
-  ForwardLaunch launch{data_of<const void>(value),
-                       data_of<const void>(spatial_shapes),
-                       data_of<const void>(level_start_index),
-                       data_of<const void>(sampling_locations),
-                       data_of<const void>(attention_weights),
-                       data_of<void>(out),
-                       is_int64(spatial_shapes),
-                       is_int64(level_start_index),
-                       meta_vectorizable(d, sampling_locations, attention_weights),
-                       d,
-                       grid_for(d.groups << d.log2g, block, device_id, 0),
-                       block,
-                       as_stream(stream)};
+  ForwardLaunch launch{
+      common_args(spatial_shapes, level_start_index, sampling_locations, attention_weights, d,
+                  d.groups << d.log2g, block, device_id, as_stream(stream)),
+      data_of<const void>(value), data_of<void>(out),
+      meta_vectorizable(d, sampling_locations, attention_weights)};
   dispatch(value, cfg, launch);
 }
 
@@ -1225,26 +1241,19 @@ void multi_scale_deformable_attn_backward(
              (det || reinterpret_cast<uintptr_t>(gacc) % acc_bytes == 0);
     });
     d.log2g = cfg.log2g;
-    BackwardLaunch launch{data_of<const void>(grad_output),
-                          data_of<const void>(value),
-                          data_of<const void>(spatial_shapes),
-                          data_of<const void>(level_start_index),
-                          data_of<const void>(sampling_locations),
-                          data_of<const void>(attention_weights),
-                          gacc,
-                          data_of<void>(grad_sampling_locations),
-                          data_of<void>(grad_attention_weights),
-                          det ? data_of<void>(keys) : nullptr,
-                          det && is_int64(keys),
-                          key_space,
-                          is_int64(spatial_shapes),
-                          is_int64(level_start_index),
-                          meta_vectorizable(d, sampling_locations, attention_weights),
-                          mode == 2,
-                          d,
-                          grid_for(d.groups << d.log2g, block, device_id, 0),
-                          block,
-                          s};
+    BackwardLaunch launch{
+        common_args(spatial_shapes, level_start_index, sampling_locations, attention_weights, d,
+                    d.groups << d.log2g, block, device_id, s),
+        data_of<const void>(grad_output),
+        data_of<const void>(value),
+        gacc,
+        data_of<void>(grad_sampling_locations),
+        data_of<void>(grad_attention_weights),
+        det ? data_of<void>(keys) : nullptr,
+        det && is_int64(keys),
+        key_space,
+        meta_vectorizable(d, sampling_locations, attention_weights),
+        mode == 2};
     dispatch(value, cfg, launch);
   }
   if (use_workspace && n_value > 0) {
@@ -1302,22 +1311,14 @@ void multi_scale_deformable_attn_backward_value_deterministic(
   });
   d.log2g = cfg.log2g;
   const int64_t rows = value.size(0) * d.K * d.heads;
-  GatherLaunch launch{data_of<const void>(grad_output),
-                      data_of<const void>(spatial_shapes),
-                      data_of<const void>(level_start_index),
-                      data_of<const void>(sampling_locations),
-                      data_of<const void>(attention_weights),
+  GatherLaunch launch{common_args(spatial_shapes, level_start_index, sampling_locations,
+                                  attention_weights, d, rows << d.log2g, block, device_id, s),
+                      data_of<const void>(grad_output),
                       data_of<const int64_t>(perm),
                       data_of<const int64_t>(cell_start),
                       n_samples,
                       data_of<void>(grad_value),
-                      static_cast<int>(value.size(0)),
-                      is_int64(spatial_shapes),
-                      is_int64(level_start_index),
-                      d,
-                      grid_for(rows << d.log2g, block, device_id, 0),
-                      block,
-                      s};
+                      static_cast<int>(value.size(0))};
   dispatch(value, cfg, launch);
 }
 
