@@ -9,7 +9,7 @@
 #   OLD_TREE: e.g. `git archive a51d718 | tar -x -C old-tree`; NEW_TREE: e.g. `.`
 #
 # 1. installs the carried wheels (WHEELS, default NEW_TREE/.whl: apache-tvm-ffi, from
-#    ../shared/tools/gpu-wheels.sh) into /tmp/site;
+#    the README's "GPU validation" download) into /tmp/site;
 # 2. builds the native library in both trees at once (`python3 build_utils.py --inplace -j`,
 #    CUDA_ARCH=90a unless set; each build compiles its 4 sources in parallel);
 # 3. runs each benchmark RUNS times per tree, interleaved (old, new, old, new), so clock and

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiles every native source (csrc/**/*.mu) with clang in CUDA mode, the closest stand-in for
-# MUSA's clang-based mcc that runs here (DESIGN.md §4). For each source and GPU arch:
+# MUSA's clang-based mcc that runs here (docs/architecture.md, MUSA portability rules). For each source and GPU arch:
 #   1. syntax   clang -fsyntax-only: host and device front ends, -Werror
 #   2. ptx      clang --cuda-device-only -S -O3: LLVM's NVPTX back end generates the device code
 #   3. sass     ptxas -v assembles that PTX; static shared memory per kernel must stay < 28 KB
@@ -115,7 +115,7 @@ check_one() {  # "$source $arch [nobf16]": the steps -> $tag.result (status; log
           echo "ok    $src $arch (max static smem $smem bytes)"
           return 0
         fi
-        echo "static shared memory $smem bytes >= $SMEM_LIMIT (DESIGN.md §4)" >>"$log"
+        echo "static shared memory $smem bytes >= $SMEM_LIMIT (docs/architecture.md, MUSA portability rules)" >>"$log"
       fi
     fi
   fi

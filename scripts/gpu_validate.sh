@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation, one command, for a GPU machine without a package index:
-#   bash scripts/gpu_validate.sh [--bench] [--bench-args "..."] [--no-sanitizer]
-# 1. installs carried wheels from .whl/ (fetch them with ../shared/tools/gpu-wheels.sh) into
+#   [PYTEST_ARGS="-n 8"] bash scripts/gpu_validate.sh [--bench] [--bench-args "..."] [--no-sanitizer]
+# 1. installs carried wheels from .whl/ (fetch them as the README's "GPU validation" says) into
 #    /tmp/site, 2. builds the native library in place with all cores (arch of the visible GPU
 #    unless CUDA_ARCH is set), 3. runs the self-check (strict: native must be used), 4. runs
 #    the whole test suite including GPU tests, 5. compute-sanitizer memcheck + racecheck over a
@@ -40,7 +40,8 @@ echo "build wall time: $(( $(date +%s) - start )) s" | tee -a "$OUT/build.log"
 
 python3 -m mu_space --strict 2>&1 | tee "$OUT/selfcheck.txt" || status=1
 
-python3 -m pytest -q -rs -p no:cacheprovider tests --junitxml="$OUT/pytest.xml" 2>&1 \
+# PYTEST_ARGS: extra pytest arguments, e.g. "-n 8" (pytest-xdist) to spread the suite over cores
+python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} tests --junitxml="$OUT/pytest.xml" 2>&1 \
   | tee "$OUT/pytest.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 

@@ -1,4 +1,4 @@
-"""MUSA portability rules (DESIGN.md §4), checked statically over csrc/:
+"""MUSA portability rules (docs/architecture.md, "MUSA portability rules"), checked statically over csrc/:
 - vendor runtime names (cuda*/musa*/CUDA*/MUSA*) only in csrc/ffi/gpu_compat.muh;
 - no literal warp width 32 in warp intrinsics, no 0xffffffff lane masks;
 - no double precision in kernels;

@@ -1322,9 +1322,6 @@ void multi_scale_deformable_attn_backward_value_deterministic(
   dispatch(value, cfg, launch);
 }
 
-// Build facts for the Python side: 1 when this build has bfloat16 kernels.
-int64_t multi_scale_deformable_attn_has_bf16() { return MUSPACE_HAS_BF16 ? 1 : 0; }
-
 }  // namespace msda
 }  // namespace muspace
 
@@ -1335,5 +1332,3 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(multi_scale_deformable_attn_backward,
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(
     multi_scale_deformable_attn_backward_value_deterministic,
     muspace::msda::multi_scale_deformable_attn_backward_value_deterministic);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(multi_scale_deformable_attn_has_bf16,
-                              muspace::msda::multi_scale_deformable_attn_has_bf16);
