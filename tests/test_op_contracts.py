@@ -309,12 +309,8 @@ def test_fuzz_native_matches_reference(op, index):
             f"auto {got.kind} ({got.value!r:.200})"
         )
         if got.kind == "result" and not _unspecified(op, case):
-            tolerances.assert_close(
-                _tensors(got.value),
-                _tensors(ref.value),
-                op=op.name,
-                name=f"{op.name} [{case.description}]",
-                equal_nan=True,
+            fuzz.assert_same_result(
+                _tensors(got.value), _tensors(ref.value), op.name, f"{op.name} [{case.description}]"
             )
 
 
@@ -446,3 +442,13 @@ def test_native_on_a_device_other_than_the_current_one(op):
     assert all(t.device == second for t in _tensors(got))
     tolerances.assert_close(_tensors(got), _tensors(want), op=op.name)
     assert torch.cuda.current_device() == 0
+
+
+def test_fuzz_same_result_rule():
+    """Non-finite in the same places (NaN and inf interchangeable), close elsewhere."""
+    want = torch.tensor([1.0, float("inf"), float("nan")])
+    fuzz.assert_same_result((torch.tensor([1.0, float("nan"), -float("inf")]),), (want,), None, "x")
+    with pytest.raises(AssertionError, match="non-finite in one result only"):
+        fuzz.assert_same_result((torch.tensor([float("nan"), 1.0, 1.0]),), (want,), None, "x")
+    with pytest.raises(AssertionError, match="out of tolerance"):
+        fuzz.assert_same_result((torch.tensor([2.0, float("inf"), float("nan")]),), (want,), None, "x")

@@ -354,11 +354,16 @@ def bev_pool_v2_backward_reference(
 # --------------------------------------------------------------------------- native
 
 
+def _contiguous(*tensors):
+    """The entry points take contiguous tensors: a non-contiguous input costs one copy."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 def _forward_native(c, depth, feat, ranks_depth, ranks_feat, ranks_bev, *_intervals):
     B, Z, Y, X, C = c.info[0]
-    feat = feat.contiguous()  # a non-contiguous input costs one copy
+    feat, ranks_feat, ranks_bev = _contiguous(feat, ranks_feat, ranks_bev)
     if depth is not None:
-        depth = depth.contiguous()
+        depth, ranks_depth = _contiguous(depth, ranks_depth)
     out = _opdef.new_output(feat, (B, C, Z, Y, X))
     native.function("bev_pool_v2_forward")(
         depth, feat, ranks_depth, ranks_feat, ranks_bev, out, _POINTS_PER_BLOCK, stream_handle(feat)
@@ -386,9 +391,9 @@ def _backward_native(
     if not need_depth and not need_feat:
         return None, None
     grad_out = grad_out.to(feat.dtype).contiguous()
-    feat = feat.contiguous()
+    feat, ranks_feat, ranks_bev = _contiguous(feat, ranks_feat, ranks_bev)
     if depth is not None:
-        depth = depth.contiguous()
+        depth, ranks_depth = _contiguous(depth, ranks_depth)
     stream = stream_handle(feat)
     backward = native.function("bev_pool_v2_backward")
     f32 = torch.float32

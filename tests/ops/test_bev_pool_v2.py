@@ -30,6 +30,17 @@ bpv2 = sys.modules[
     "mu_space.ops.bev_pool_v2"
 ]  # the module (mu_space.ops.bev_pool_v2 is the function)
 
+
+def backward(grad, args, need_depth, need_feat, deterministic, backend="native"):
+    """(grad_depth, grad_feat) through the op's backward (its custom op's body): None where not
+    needed."""
+    schema_args = bpv2.OP.capture_schema_args(*args)
+    gd, gf = bpv2.OP.run_backward(
+        [grad], schema_args, [need_depth, need_feat], deterministic, backend
+    )
+    return gd, gf
+
+
 # ---------------------------------------------------------------- inputs
 
 
@@ -595,7 +606,7 @@ def test_native_channel_tiles_forward_and_backward(dtype, channels, deterministi
     assert_close(out, bev_pool_v2_reference(*args), **tolerance(dtype))
     g = torch.randn(_out_shape(args), device=device).to(dtype)
     want_d, want_f = bev_pool_v2_backward_reference(g, *args)
-    got_d, got_f = bpv2._backward(g, *args, True, True, deterministic, "native")
+    got_d, got_f = backward(g, args, True, True, deterministic, "native")
     tol = tolerance(dtype, "bev_pool_v2")
     assert_close(got_f, want_f, **tol, name="grad_feat")
     assert_close(got_d, want_d, **tol, name="grad_depth")
@@ -660,7 +671,7 @@ def test_native_backward_matches_reference(dtype, config, channels, batch, deter
     args = make_inputs(config, batch=batch, channels=channels, dtype=dtype, device=device)
     g = torch.randn(_out_shape(args), device=device, dtype=torch.float32).to(dtype)
     want_d, want_f = bev_pool_v2_backward_reference(g, *args)
-    got_d, got_f = bpv2._backward(g, *args, True, True, deterministic, "native")
+    got_d, got_f = backward(g, args, True, True, deterministic, "native")
     # grad_feat sums up to ~D = 118 products, grad_depth C products of O(1) values: float32
     # order effects ~1e-6 of |value| <~ 30; low precision: one rounding of each sum
     tol = tolerance(dtype, "bev_pool_v2")
@@ -676,7 +687,7 @@ def test_native_backward_without_depth(deterministic):
     args[0] = args[2] = None
     g = torch.randn(_out_shape(args), device=device)
     _, want_f = bev_pool_v2_backward_reference(g, *args)
-    got_d, got_f = bpv2._backward(g, *args, False, True, deterministic, "native")
+    got_d, got_f = backward(g, args, False, True, deterministic, "native")
     assert got_d is None
     assert_close(got_f, want_f, atol=1e-4, rtol=1e-5, name="grad_feat")
 
@@ -749,7 +760,7 @@ def test_bad_indices_never_crash_and_validate_raises(corruption):
     for mode in (True, False):
         torch.use_deterministic_algorithms(mode)
         try:
-            bpv2._backward(torch.ones_like(out), *args, True, True, mode, "cuda")
+            backward(torch.ones_like(out), args, True, True, mode, "cuda")
         finally:
             torch.use_deterministic_algorithms(False)
     torch.cuda.synchronize(device)  # an illegal access would surface here
