@@ -451,4 +451,6 @@ def test_fuzz_same_result_rule():
     with pytest.raises(AssertionError, match="non-finite in one result only"):
         fuzz.assert_same_result((torch.tensor([float("nan"), 1.0, 1.0]),), (want,), None, "x")
     with pytest.raises(AssertionError, match="out of tolerance"):
-        fuzz.assert_same_result((torch.tensor([2.0, float("inf"), float("nan")]),), (want,), None, "x")
+        fuzz.assert_same_result(
+            (torch.tensor([2.0, float("inf"), float("nan")]),), (want,), None, "x"
+        )

@@ -11,10 +11,12 @@ Native path:
   buffers (cast once for float16 / bfloat16). A grad_depth element receives one add per point
   that indexes it, so with unique ranks_depth (what `bev_pool_prepare` gives) it is exact and
   identical between runs; grad_feat's float32 rounding may differ between runs.
-- backward under `torch.use_deterministic_algorithms(True)`: grad_depth from per-point dot
-  products summed by torch's deterministic index_add; grad_feat groups the points by ranks_feat
-  with `sort_by_cell` and sums each feat row in a fixed order, with no atomics. Bit-identical
-  between runs. The sort's output size depends on the data, so this mode synchronises with the
+- backward under `torch.use_deterministic_algorithms(True)`: grad_depth as in the default mode
+  when no depth entry is indexed by 3 or more points (then 0 + a + b has the same bits in any
+  order; checked once per ranks_depth tensor), else from per-point dot products summed by
+  torch's deterministic index_add; grad_feat groups the points by ranks_feat with
+  `sort_by_cell` and sums each feat row in a fixed order, with no atomics. Bit-identical between
+  runs. The sort's output size depends on the data, so this mode synchronises with the
   host once per backward (the default mode never does).
 - no host synchronisation in forward or default backward; kernels run on the caller's current
   stream (CUDA-graph capturable).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -371,6 +374,33 @@ def _forward_native(c, depth, feat, ranks_depth, ranks_feat, ranks_bev, *_interv
     return out
 
 
+_REPEATS: dict = {}  # (id, version, data_ptr, n, numel) -> (weakref, at least 3 points share one)
+
+
+def _depth_entries_shared_by_3(ranks_depth: torch.Tensor, numel: int) -> bool:
+    """Whether 3 or more points index one depth entry. Up to 2 float32 atomic adds onto 0 give
+    the same bits in any order (a + b == b + a), so the deterministic mode keeps the atomic
+    grad_depth unless this holds (never for `bev_pool_prepare`'s ranks, where every point has its
+    own entry). Counted once per ranks_depth tensor and in-place version (one sync), like MSDA's
+    level metadata; a change through `.data` is not seen (the sums stay right, only their bits
+    could then vary between runs)."""
+    try:
+        version = ranks_depth._version
+    except RuntimeError:  # inference tensors have no version counter
+        version = None
+    key = (id(ranks_depth), version, ranks_depth.data_ptr(), ranks_depth.numel(), numel)
+    hit = _REPEATS.get(key)
+    if hit is not None and hit[0]() is ranks_depth:
+        return hit[1]
+    rd = ranks_depth.long()
+    valid = rd[(rd >= 0) & (rd < numel)]
+    shared = bool(valid.numel()) and int(torch.bincount(valid, minlength=numel).max()) > 2
+    if len(_REPEATS) > 64:
+        _REPEATS.clear()
+    _REPEATS[key] = (weakref.ref(ranks_depth), shared)
+    return shared
+
+
 def _sum_point_dots(dots, ranks_depth, depth):
     """grad_depth from per-point dot products: a point with an out-of-range rank adds nothing.
     torch's index_add is deterministic under `torch.use_deterministic_algorithms(True)`."""
@@ -399,7 +429,7 @@ def _backward_native(
     f32 = torch.float32
     grad_depth = grad_feat = None
     if deterministic or not need_feat:
-        if need_depth and deterministic:
+        if need_depth and deterministic and _depth_entries_shared_by_3(ranks_depth, depth.numel()):
             dots = torch.empty(ranks_bev.shape[0], dtype=f32, device=feat.device)
             backward(
                 grad_out,

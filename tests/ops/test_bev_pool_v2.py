@@ -888,6 +888,14 @@ def test_native_grad_depth_with_many_repeats_matches_reference(dtype, determinis
     finally:
         torch.use_deterministic_algorithms(False)
     want, _ = bev_pool_v2_backward_reference(grad, *args)
+    if deterministic:  # 3+ points per depth entry: the deterministic reduction, bit-exact
+        torch.use_deterministic_algorithms(True)
+        try:
+            again = depth.detach().clone().requires_grad_(True)
+            bev_pool_v2(again, *args[1:], backend="cuda").backward(grad)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert torch.equal(again.grad, depth.grad)
     scale = want.abs().max().item()
     assert_close(
         depth.grad,
@@ -912,3 +920,11 @@ def test_grid_beyond_int32_cells_is_a_value_error_naming_bev_feat_shape():
     big = (2, 1, 2**15, 2**15, shape[4])  # 2**31 cells: ranks_bev (int32) cannot address them
     with pytest.raises(ValueError, match="bev_feat_shape: .* exceeds the int32 range of ranks_bev"):
         bev_pool_v2(depth, feat, rd, rf, rb, big, s, l)
+
+
+def test_repeat_count_of_depth_entries_is_cached_per_tensor():
+    rd = torch.tensor([0, 1, 1, 2], dtype=torch.int32)
+    assert not bpv2._depth_entries_shared_by_3(rd, 5)
+    assert bpv2._depth_entries_shared_by_3(torch.tensor([4, 1, 1, 1, -3, 99], dtype=torch.int32), 5)
+    rd[0] = 1  # an in-place change bumps the version: counted again
+    assert bpv2._depth_entries_shared_by_3(rd, 5)
