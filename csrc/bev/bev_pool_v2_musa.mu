@@ -25,10 +25,9 @@
 //   consecutive cells (one 32-bit store per cell and channel from a scattered writer would cost
 //   ~8x the L2 transactions). Cells beyond the window (sparse regions; ~3% of cells in the
 //   bevdet configs) are written directly.
-// - Empty cells outside the windows keep the zero fill. Blocks used to zero their own empty
-//   cells instead (no fill), but when the points cover only part of the grid (one camera) one
-//   block then owns every trailing empty cell: 166 us instead of ~20 us on the H200; the fill
-//   costs ~2 us at bevdet-r50.
+// - Empty cells outside the windows keep a grid-wide zero fill (~2 us at bevdet-r50): blocks
+//   zeroing their own empty cells would leave one block owning every trailing empty cell when
+//   the points cover only part of the grid (docs/operators/bev_pool_v2.md has the measurement).
 //
 // Backward:
 // - backward_points_kernel, in the forward's point order: the per-point dot(grad_out[:, cell_i],
