@@ -171,3 +171,20 @@ def test_logging_turned_on_later_logs_hot_path_calls_too(monkeypatch, caplog):
     finally:
         kernel_dispatch.set_logging(False)
     assert "add_one -> cpu (native)" in caplog.text
+
+
+def test_unverified_native_kernels_run_only_when_asked_for(monkeypatch):
+    """An op whose kernels have not run on a GPU yet: auto takes the reference with that reason;
+    an explicit native backend runs the kernels (how they get verified)."""
+    from mu_space.ops import _opdef
+
+    op = mu_space.runtime.registry.get("add_one")
+    monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
+    monkeypatch.setattr(native, "has_function", lambda name: True)
+    monkeypatch.setattr(op, "_native", lambda c, x: x + 2)
+    monkeypatch.setattr(op.d, "unverified", "issue 99")
+    _opdef.forget_native_reasons()
+    assert mu_space.ops.add_one(torch.zeros(1)).item() == 1.0  # the reference
+    (row,) = kernel_dispatch.records()
+    assert row["reason"] == "the native kernels are not verified on a GPU yet (issue 99)"
+    assert mu_space.ops.add_one(torch.zeros(1), backend="native").item() == 2.0

@@ -105,6 +105,9 @@ class OpDef:
     recipes: tuple[str, ...] = ()  # model_examples/<Model> directories that run it
     doc: str = ""  # docs/operators/<op>.md
     public: bool = True  # False: internal primitive or build smoke (not in the operator matrix)
+    # Set while the native kernels have not run on a GPU (say where they will be verified):
+    # `auto` then takes the reference with this reason; `native` / `cuda` / `musa` run them.
+    unverified: str = ""
     api: Callable[..., Any] | None = field(default=None, repr=False)
 
 
@@ -192,7 +195,7 @@ class Operator:
                 cell[0] += 1
                 out = self._native(c, *args)
                 return out if self._result is None else self._result(*out)
-        reason = None if backend == "reference" else self.native_reason(c)
+        reason = self._reason_for(backend, c)
         if kernel_dispatch.decide(self.name, backend, c.device, reason):
             if backend == "auto" and not kernel_dispatch._log_enabled:
                 self._native_cells[c.device, c.dtype] = kernel_dispatch.native_counter(
@@ -209,10 +212,18 @@ class Operator:
     def run(self, args: tuple, backend: str):
         """The forward implementation: check, choose, run (the custom op's body too)."""
         c = self._check(*args)
-        reason = None if backend == "reference" else self.native_reason(c)
+        reason = self._reason_for(backend, c)
         if kernel_dispatch.decide(self.name, backend, c.device, reason):
             return self._native(c, *args)
         return self._reference(*args)
+
+    def _reason_for(self, backend: str, c: Checked) -> str | None:
+        if backend == "reference":
+            return None
+        reason = self.native_reason(c)
+        if reason is None and backend == "auto" and self.d.unverified:
+            return f"the native kernels are not verified on a GPU yet ({self.d.unverified})"
+        return reason
 
     def native_reason(self, c: Checked) -> str | None:
         """None when the native path can take these inputs, else why not: the library on the
@@ -271,7 +282,7 @@ class Operator:
             dtype = _dtype_name(c.dtype) if c.dtype is not None else ""
             use = _traced_choice(self.name, backend, str(c.device), dtype, c.dtype_arg)
         else:
-            reason = None if backend == "reference" else self.native_reason(c)
+            reason = self._reason_for(backend, c)
             use = kernel_dispatch.decide(self.name, backend, c.device, reason)
         if use:
             return self._native(c, *args, backend=backend)
@@ -337,7 +348,7 @@ class Operator:
         """One gradient per differentiable input (None where not needed)."""
         grad_out = grads[0] if len(grads) == 1 else grads
         c = self.d.check(*args)
-        reason = None if backend == "reference" else self.native_reason(c)
+        reason = self._reason_for(backend, c)
         use = kernel_dispatch.decide(self.backward_name, backend, c.device, reason)
         b = self.d.backward
         if use and b.native is not None:
