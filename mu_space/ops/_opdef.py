@@ -411,12 +411,15 @@ class Operator:
 def _traced_choice(op: str, backend: str, device: str, dtype: str, dtype_arg: str) -> bool:
     """A composite op's backend choice under torch.compile, made once at trace time."""
     dt = getattr(torch, dtype) if dtype else None
-    return kernel_dispatch.use_native(
-        op,
-        backend,
-        torch.device(device),
-        lambda: registry.get(op)._capability_reason(dt, dtype_arg),
-    )
+    operator = registry.get(op)
+
+    def reason():
+        why = operator._capability_reason(dt, dtype_arg)
+        if why is None and backend == "auto" and operator.d.unverified:
+            why = f"the native kernels are not verified on a GPU yet ({operator.d.unverified})"
+        return why
+
+    return kernel_dispatch.use_native(op, backend, torch.device(device), reason)
 
 
 # What torch.compiler.assume_constant_result sets; written here because calling it imports
