@@ -220,10 +220,13 @@ class Operator:
     def _reason_for(self, backend: str, c: Checked) -> str | None:
         if backend == "reference":
             return None
-        reason = self.native_reason(c)
-        if reason is None and backend == "auto" and self.d.unverified:
+        return self.native_reason(c) or self.unverified_reason(backend)
+
+    def unverified_reason(self, backend: str) -> str | None:
+        """Why `auto` does not run kernels that have not run on a GPU yet (None otherwise)."""
+        if backend == "auto" and self.d.unverified:
             return f"the native kernels are not verified on a GPU yet ({self.d.unverified})"
-        return reason
+        return None
 
     def native_reason(self, c: Checked) -> str | None:
         """None when the native path can take these inputs, else why not: the library on the
@@ -413,13 +416,12 @@ def _traced_choice(op: str, backend: str, device: str, dtype: str, dtype_arg: st
     dt = getattr(torch, dtype) if dtype else None
     operator = registry.get(op)
 
-    def reason():
-        why = operator._capability_reason(dt, dtype_arg)
-        if why is None and backend == "auto" and operator.d.unverified:
-            why = f"the native kernels are not verified on a GPU yet ({operator.d.unverified})"
-        return why
-
-    return kernel_dispatch.use_native(op, backend, torch.device(device), reason)
+    return kernel_dispatch.use_native(
+        op,
+        backend,
+        torch.device(device),
+        lambda: operator._capability_reason(dt, dtype_arg) or operator.unverified_reason(backend),
+    )
 
 
 # What torch.compiler.assume_constant_result sets; written here because calling it imports
