@@ -1,0 +1,202 @@
+// points_in_boxes_part / _all (mmcv): which LiDAR boxes hold each point.
+//
+//   part: out[b, m]    = the first box t (in box order) holding points[b, m], or -1
+//   all:  out[b, m, t] = 1 if box t holds points[b, m], else 0
+//
+// points [B, M, 3] and boxes [B, T, 7] (x, y, z bottom, dx, dy, dz, yaw) in float32 / float16 /
+// bfloat16 (computed in float32), out int32. The test is box3d::point_in_box (mmcv's
+// check_pt_in_box3d with each operation rounded; a NaN point is in no box).
+//
+// part: one thread per point; the batch's boxes pass through shared memory in tiles (cos / sin
+// once per box and block), each thread stops at its first hit and the block stops when all its
+// points have one. all: a block owns a tile of up to 64 boxes and a chunk of points; threads
+// are laid out so that consecutive threads write consecutive int32 of out (the output, 4*M*T
+// bytes, is the whole cost at 300k x 200). No host synchronisation; any B (grid-stride over
+// batches), any M and T up to 2^31 - 1.
+#include <tvm/ffi/function.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <initializer_list>
+#include <utility>
+
+#include "box3d.muh"
+#include "build_facts.muh"
+#include "checks.muh"
+#include "dispatch.muh"
+#include "gpu_compat.muh"
+#include "launch.muh"
+
+namespace muspace {
+namespace box3d {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPartBoxTile = 256;  // boxes per shared tile (36 bytes each: 9 KB)
+constexpr int kAllBoxTile = 64;    // boxes per block of the all kernel
+constexpr int kAllPoints = 128;    // points per block of the all kernel
+constexpr int kMaxGridY = 65535;   // batches per launch row (grid-stride beyond)
+constexpr int64_t kMaxCount = INT_MAX;
+MUSPACE_LIMIT(points_in_boxes, max_points, kMaxCount);
+MUSPACE_LIMIT(points_in_boxes, max_boxes, kMaxCount);
+
+template <typename T>
+__device__ __forceinline__ PointBox load_point_box(const T* __restrict__ boxes, int64_t i) {
+  float b[7];
+#pragma unroll
+  for (int k = 0; k < 7; ++k) b[k] = to_float(boxes[i * 7 + k]);
+  return make_point_box(b);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    part_kernel(const T* __restrict__ points, const T* __restrict__ boxes, int* __restrict__ out,
+                int batches, int n_points, int n_boxes) {
+  __shared__ PointBox s_box[kPartBoxTile];
+  __shared__ int s_pending;
+  const int m = blockIdx.x * kThreads + threadIdx.x;
+  for (int b = blockIdx.y; b < batches; b += gridDim.y) {
+    const bool valid = m < n_points;
+    float x = 0.0f, y = 0.0f, z = 0.0f;
+    if (valid) {
+      const T* p = points + (static_cast<int64_t>(b) * n_points + m) * 3;
+      x = to_float(p[0]);
+      y = to_float(p[1]);
+      z = to_float(p[2]);
+    }
+    int found = -1;
+    for (int t0 = 0; t0 < n_boxes; t0 += kPartBoxTile) {
+      const int nt = min(kPartBoxTile, n_boxes - t0);
+      __syncthreads();  // the previous tile (and the previous batch's flag) are consumed
+      if (threadIdx.x == 0) s_pending = 0;
+      for (int k = threadIdx.x; k < nt; k += kThreads) {
+        s_box[k] = load_point_box(boxes, static_cast<int64_t>(b) * n_boxes + t0 + k);
+      }
+      __syncthreads();
+      if (valid && found < 0) {
+        for (int k = 0; k < nt; ++k) {
+          if (point_in_box(s_box[k], x, y, z)) {
+            found = t0 + k;
+            break;
+          }
+        }
+        if (found < 0) s_pending = 1;  // every writer stores the same value
+      }
+      __syncthreads();
+      if (!s_pending) break;  // block-uniform: read after the barrier, rewritten after the next
+    }
+    if (valid) out[static_cast<int64_t>(b) * n_points + m] = found;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    all_kernel(const T* __restrict__ points, const T* __restrict__ boxes, int* __restrict__ out,
+               int batches, int n_points, int n_boxes) {
+  __shared__ PointBox s_box[kAllBoxTile];
+  __shared__ float s_pt[kAllPoints * 3];
+  const int tile_boxes = min(kAllBoxTile, n_boxes);
+  const int lanes = kThreads / tile_boxes;  // points handled at once
+  const int lane = threadIdx.x / tile_boxes;
+  const int k = threadIdx.x - lane * tile_boxes;
+  const int t0 = blockIdx.y * kAllBoxTile;
+  const int nt = min(kAllBoxTile, n_boxes - t0);
+  const int m0 = blockIdx.x * kAllPoints;
+  const int np = min(kAllPoints, n_points - m0);
+  for (int b = blockIdx.z; b < batches; b += gridDim.z) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < nt; i += kThreads) {
+      s_box[i] = load_point_box(boxes, static_cast<int64_t>(b) * n_boxes + t0 + i);
+    }
+    const T* p = points + (static_cast<int64_t>(b) * n_points + m0) * 3;
+    for (int i = threadIdx.x; i < np * 3; i += kThreads) s_pt[i] = to_float(p[i]);
+    __syncthreads();
+    if (lane < lanes && k < nt) {
+      const PointBox box = s_box[k];
+      int* o = out + (static_cast<int64_t>(b) * n_points + m0) * n_boxes + t0 + k;
+      for (int i = lane; i < np; i += lanes) {
+        const bool in = point_in_box(box, s_pt[i * 3], s_pt[i * 3 + 1], s_pt[i * 3 + 2]);
+        o[static_cast<int64_t>(i) * n_boxes] = in ? 1 : 0;
+      }
+    }
+  }
+}
+
+struct Shapes {
+  int batches, n_points, n_boxes;
+};
+
+Shapes check_args(const TensorView& points, const TensorView& boxes, const TensorView& out,
+                  bool all) {
+  check_gpu_tensor(points, "points");
+  check_float_dtype(points, "points");
+  check_contiguous(points, "points");
+  check_ndim(points, "points", 3);
+  check_size(points, "points", 2, 3);
+  check_like(boxes, "boxes", points, "points");
+  check_ndim(boxes, "boxes", 3);
+  check_size(boxes, "boxes", 0, points.size(0));
+  check_size(boxes, "boxes", 2, 7);
+  check_input(out, "out", points, kInt32);
+  check_ndim(out, "out", all ? 3 : 2);
+  check_size(out, "out", 0, points.size(0));
+  check_size(out, "out", 1, points.size(1));
+  if (all) check_size(out, "out", 2, boxes.size(1));
+  for (const auto& [n, what] : {std::pair<int64_t, const char*>{points.size(0), "batches"},
+                                {points.size(1), "points per batch"},
+                                {boxes.size(1), "boxes per batch"}}) {
+    if (n > kMaxCount) {
+      TVM_FFI_THROW(ValueError) << n << " " << what << " exceed the limit of " << kMaxCount;
+    }
+  }
+  return {static_cast<int>(points.size(0)), static_cast<int>(points.size(1)),
+          static_cast<int>(boxes.size(1))};
+}
+
+void part_forward(TensorView points, TensorView boxes, TensorView out, int64_t stream) {
+  const Shapes s = check_args(points, boxes, out, false);
+  if (s.batches == 0 || s.n_points == 0) return;
+  const int device_id = points.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  const dim3 grid((s.n_points + kThreads - 1) / kThreads, std::min(s.batches, kMaxGridY));
+  dispatch_float(points, "points", [&](auto tag) {
+    using T = decltype(tag);
+    part_kernel<T><<<grid, kThreads, 0, st>>>(data_of<const T>(points), data_of<const T>(boxes),
+                                              data_of<int>(out), s.batches, s.n_points, s.n_boxes);
+    check_launch("points_in_boxes part_kernel");
+  });
+}
+
+void all_forward(TensorView points, TensorView boxes, TensorView out, int64_t stream) {
+  const Shapes s = check_args(points, boxes, out, true);
+  if (s.batches == 0 || s.n_points == 0 || s.n_boxes == 0) return;
+  const int device_id = points.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  const int64_t box_tiles = (static_cast<int64_t>(s.n_boxes) + kAllBoxTile - 1) / kAllBoxTile;
+  if (box_tiles > kMaxGridY) {
+    TVM_FFI_THROW(ValueError) << s.n_boxes << " boxes per batch exceed the all kernel's "
+                              << static_cast<int64_t>(kMaxGridY) * kAllBoxTile;
+  }
+  const dim3 grid((s.n_points + kAllPoints - 1) / kAllPoints, static_cast<unsigned>(box_tiles),
+                  std::min(s.batches, kMaxGridY));
+  dispatch_float(points, "points", [&](auto tag) {
+    using T = decltype(tag);
+    all_kernel<T><<<grid, kThreads, 0, st>>>(data_of<const T>(points), data_of<const T>(boxes),
+                                             data_of<int>(out), s.batches, s.n_points, s.n_boxes);
+    check_launch("points_in_boxes all_kernel");
+  });
+}
+
+// The all kernel's box-tile limit, for the Python side.
+constexpr int64_t kMaxAllBoxes = static_cast<int64_t>(kMaxGridY) * kAllBoxTile;
+MUSPACE_LIMIT(points_in_boxes, max_all_boxes, kMaxAllBoxes);
+
+}  // namespace
+}  // namespace box3d
+}  // namespace muspace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(points_in_boxes_part_forward, muspace::box3d::part_forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(points_in_boxes_all_forward, muspace::box3d::all_forward);
