@@ -1,0 +1,192 @@
+"""nms3d, nms3d_normal, nms_bev (mmcv API): the greedy keep lists against the textbook float64
+loop of tests/ops/_box3d_oracle.py on clustered detections, mmcv's visiting order and tie
+rule, thresholds (rounding, NaN, negative), degenerate boxes and the size caps; native vs
+reference on a GPU, with box counts far beyond one 64-bit mask word (skipped without one)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mu_space.ops import _box3d
+from mu_space.ops.iou3d import nms3d, nms3d_normal, nms_bev
+from mu_space.testing import boxes as box_inputs
+from tests.helpers import native_gpu_device
+from tests.ops import _box3d_oracle as oracle
+
+
+def _want(boxes, scores, thresh, iou, order=None, max_keep=None):
+    b = boxes.double().tolist()
+    if order is None:
+        order = scores.sort(0, descending=True)[1].tolist()
+    return oracle.greedy_nms(order, lambda k, i: iou(b[k], b[i]) > thresh, max_keep)
+
+
+def _margin(boxes, thresh, iou) -> float:
+    """The closest any pair's float64 IoU comes to the threshold (float32 inputs may decide a
+    pair within ~1e-6 of it the other way)."""
+    b = boxes.double().tolist()
+    return min(
+        (abs(iou(b[i], b[j]) - thresh) for i in range(len(b)) for j in range(i)), default=1.0
+    )
+
+
+@pytest.fixture(scope="module")
+def dets():
+    return box_inputs.detections(240, seed=31, extent=20.0)
+
+
+@pytest.mark.parametrize("thresh", [0.1, 0.5, 0.7])
+def test_nms3d_matches_the_greedy_loop(dets, thresh):
+    boxes, scores = dets
+    want = _want(boxes, scores, thresh, oracle.iou3d_bev)
+    got = nms3d(boxes.double(), scores, thresh)
+    assert got.dtype == torch.int64 and got.tolist() == want
+    assert 10 < len(want) < 230  # it suppresses, and not everything
+    assert _margin(boxes, thresh, oracle.iou3d_bev) > 1e-5
+    assert nms3d(boxes, scores, thresh).tolist() == want  # float32
+
+
+@pytest.mark.parametrize("thresh", [0.2, 0.6])
+def test_nms3d_normal_matches_the_greedy_loop(dets, thresh):
+    boxes, scores = dets
+    want = _want(boxes, scores, thresh, oracle.iou_normal)
+    assert nms3d_normal(boxes.double(), scores, thresh).tolist() == want
+    assert _margin(boxes, thresh, oracle.iou_normal) > 1e-5
+    assert nms3d_normal(boxes, scores, thresh).tolist() == want
+
+
+def _bev_iou(a5, b5):
+    def conv(t):
+        return ((t[0] + t[2]) / 2, (t[1] + t[3]) / 2, t[2] - t[0], t[3] - t[1], t[4])
+
+    return oracle.rotated_iou(conv(a5), conv(b5))
+
+
+@pytest.mark.parametrize(("pre", "post"), [(None, None), (150, None), (None, 30), (100, 20)])
+def test_nms_bev_matches_the_greedy_loop_with_its_caps(dets, pre, post):
+    boxes, scores = dets
+    bev = box_inputs.xyxyr(boxes).double()
+    order = scores.sort(0, descending=True)[1]
+    if pre is not None:
+        order = order[:pre]
+    want = _want(bev, scores, 0.5, _bev_iou, order.tolist(), post)
+    got = nms_bev(bev, scores, 0.5, pre, post)
+    assert got.tolist() == want
+    if post is not None:
+        assert len(want) == post
+
+
+def test_keep_order_is_descending_score_and_ties_follow_torch_sort(dets):
+    boxes, _ = dets
+    tied = box_inputs.tied_scores(boxes.shape[0], seed=2, levels=4)
+    got = nms3d(boxes.double(), tied, 0.3)
+    order = tied.sort(0, descending=True)[1].tolist()  # the call mmcv makes
+    assert got.tolist() == _want(boxes, tied, 0.3, oracle.iou3d_bev, order)
+    s = tied[got]
+    assert bool((s[1:] <= s[:-1]).all())
+
+
+def test_identical_boxes_keep_the_first():
+    box = torch.tensor([[1.0, 2.0, 0.0, 4.0, 2.0, 1.5, 0.4]]).repeat(5, 1)
+    scores = torch.tensor([0.2, 0.9, 0.5, 0.9, 0.1])
+    order0 = int(scores.sort(0, descending=True)[1][0])
+    assert nms3d(box, scores, 0.99).tolist() == [order0]
+    assert nms3d_normal(box, scores, 0.99).tolist() == [order0]
+    assert nms_bev(box_inputs.xyxyr(box), scores, 0.99).tolist() == [order0]
+
+
+def test_thresholds_nan_negative_and_the_float32_rounding(dets):
+    boxes, scores = dets
+    n = boxes.shape[0]
+    assert nms3d(boxes, scores, math.nan).shape == (n,)  # nothing suppresses
+    assert nms3d(boxes, scores, math.inf).shape == (n,)
+    # a negative threshold: every pair suppresses (IoU 0 > -0.1), only the best box survives
+    assert nms3d(boxes, scores, -0.1).tolist() == [int(scores.argmax())]
+    assert nms3d_normal(boxes, scores, -0.1).tolist() == [int(scores.argmax())]
+    # the threshold is compared as a float32 (mmcv's C++ float); circle: rounded down
+    assert _box3d.f32_nearest(0.7) == float(torch.tensor(0.7, dtype=torch.float32))
+    d = _box3d.f32_down(0.1)
+    assert d <= 0.1 and float(torch.tensor(d, dtype=torch.float32)) == d
+    assert _box3d.f32_down(0.5) == 0.5 and math.isnan(_box3d.f32_down(math.nan))
+
+
+def test_non_finite_and_degenerate_boxes(dets):
+    boxes, scores = dets
+    b = boxes[:40].clone()
+    s = scores[:40]
+    b[3, 0] = math.nan  # a NaN box: kept (nothing suppresses it), suppresses nothing
+    b[5, 3] = 0.0  # a zero-size box: IoU 0 with everything
+    b[7, 6] = math.inf
+    keep = nms3d(b, s, 0.5).tolist()
+    assert 3 in keep and 5 in keep and 7 in keep
+    want = _want(b, s, 0.5, oracle.iou3d_bev)
+    assert keep == want
+
+
+def test_empty_inputs_and_zero_caps(dets):
+    boxes, scores = dets
+    for fn, args in ((nms3d, (0.5,)), (nms3d_normal, (0.5,)), (nms_bev, (0.5,))):
+        b = box_inputs.xyxyr(boxes) if fn is nms_bev else boxes
+        out = fn(b[:0], scores[:0], *args)
+        assert out.shape == (0,) and out.dtype == torch.int64
+    bev = box_inputs.xyxyr(boxes)
+    assert nms_bev(bev, scores, 0.5, 0).shape == (0,)
+    assert nms_bev(bev, scores, 0.5, None, 0).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda b, s: nms3d(b[:, :5], s, 0.5), r"boxes must be \[\*, 7\]"),
+        (lambda b, s: nms3d(b, s[:-1], 0.5), r"scores must be \[240\]"),
+        (lambda b, s: nms3d(b, s, "0.5"), "iou_threshold must be a real number"),
+        (lambda b, s: nms3d(b, s, None), "iou_threshold must be a real number"),
+        (lambda b, s: nms3d(b.int(), s, 0.5), "boxes must be float32"),
+        (lambda b, s: nms_bev(b[:, :5], s, 0.5, -1), "pre_max_size must be >= 0"),
+        (lambda b, s: nms_bev(b[:, :5], s, 0.5, None, 2.5), "post_max_size must be an integer"),
+        (lambda b, s: nms_bev(b, s, 0.5), r"boxes must be \[\*, 5\]"),
+    ],
+)
+def test_bad_arguments_name_the_argument(dets, call, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(*dets)
+
+
+# ------------------------------------------------------------------------------ native (GPU)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4096])
+def test_native_equals_reference(n):
+    device = native_gpu_device()
+    boxes, scores = box_inputs.detections(n, seed=n)
+    boxes, scores = boxes.to(device), scores.to(device)
+    bev = box_inputs.xyxyr(boxes)
+    for fn, args in (
+        (nms3d, (boxes, scores, 0.7)),
+        (nms3d_normal, (boxes, scores, 0.3)),
+        (nms_bev, (bev, scores, 0.7, 4096, 500)),
+        (nms_bev, (bev.half(), scores, 0.1, None, 7)),
+    ):
+        assert torch.equal(fn(*args, backend="native"), fn(*args, backend="reference"))
+
+
+def test_native_many_boxes_no_mask_width_limit():
+    device = native_gpu_device()
+    boxes, scores = box_inputs.detections(20000, seed=3, extent=150.0)
+    boxes, scores = boxes.to(device), scores.to(device)
+    got = nms3d(boxes, scores, 0.5, backend="native")
+    assert torch.equal(got, nms3d(boxes, scores, 0.5, backend="reference"))
+
+
+def test_native_tied_scores_and_nan():
+    device = native_gpu_device()
+    boxes, _ = box_inputs.detections(700, seed=8)
+    scores = box_inputs.tied_scores(700, seed=8).to(device)
+    boxes = boxes.to(device)
+    boxes[10, 0] = math.nan
+    assert torch.equal(
+        nms3d(boxes, scores, 0.4, backend="native"), nms3d(boxes, scores, 0.4, backend="reference")
+    )
