@@ -360,11 +360,19 @@ def nms_reference(
     n = order.shape[0]
     if n == 0:
         return order.new_zeros(0)
-    rows_all = order.clamp(0, max(boxes.shape[0] - 1, 0))
+    if boxes.shape[0] == 0:  # every entry of order is out of range: NaN boxes
+        nan = torch.full((n,), math.nan, dtype=compute_dtype(boxes.dtype), device=boxes.device)
+        return _greedy(Rects(nan, nan, nan, nan, nan), order, kind, threshold, max_keep)
+    rows_all = order.clamp(0, boxes.shape[0] - 1)
     r = rects(boxes.index_select(0, rows_all), layout)
     bad = (order < 0) | (order >= boxes.shape[0])
     if bool(bad.any()):
         r = Rects(*(torch.where(bad, math.nan, t) for t in r))
+    return _greedy(r, order, kind, threshold, max_keep)
+
+
+def _greedy(r: Rects, order, kind: int, threshold: float, max_keep) -> torch.Tensor:
+    n = order.shape[0]
     thr = torch.tensor(threshold, dtype=r.x.dtype, device=r.x.device)
     rows: list[int] = []
     block = max(1, min(n, (1 << 22) // max(n, 1)))
