@@ -169,6 +169,26 @@ def point_in_box(pb: PointBoxes, x, y, z) -> torch.Tensor:
     return near & z_ok & (lx > -pb.hx) & (lx < pb.hx) & (ly > -pb.hy) & (ly < pb.hy)
 
 
+_PAIRS_PER_CHUNK = 1 << 22  # (point, box) pairs evaluated at once by points_in_boxes_mask
+
+
+def points_in_boxes_mask(points: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+    """bool [B, M, T]: box t of batch b holds point m (point_in_box), in chunks of points;
+    points [B, M, 3], boxes [B, T, 7]."""
+    B, M, T = points.shape[0], points.shape[1], boxes.shape[1]
+    out = torch.zeros(B, M, T, dtype=torch.bool, device=points.device)
+    if B * M * T == 0:
+        return out
+    pb = point_boxes(boxes)
+    pb = PointBoxes(*(t[:, None, :] for t in pb))  # [B, 1, T]
+    p = points.to(compute_dtype(points.dtype))
+    step = max(1, _PAIRS_PER_CHUNK // max(B * T, 1))
+    for m0 in range(0, M, step):
+        q = p[:, m0 : m0 + step, :, None]  # [B, m, 3, 1]
+        out[:, m0 : m0 + step] = point_in_box(pb, q[:, :, 0], q[:, :, 1], q[:, :, 2])
+    return out
+
+
 # --------------------------------------------------------------------------- BEV rectangles
 
 

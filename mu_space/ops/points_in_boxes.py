@@ -17,7 +17,6 @@ from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
 _UNVERIFIED = "issue 12: written and compiled, not yet run on a GPU"
-_PAIRS_PER_CHUNK = 1 << 22  # reference: (point, box) pairs evaluated at once
 
 
 def _check(points, boxes, all_boxes: bool = True) -> _opdef.Checked:
@@ -36,30 +35,14 @@ def _check_part(points, boxes) -> _opdef.Checked:
     return _check(points, boxes, False)
 
 
-def _mask(points: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
-    """bool [B, M, T]: box t of batch b holds point m (box3d::point_in_box), in chunks."""
-    B, M, T = points.shape[0], points.shape[1], boxes.shape[1]
-    out = torch.zeros(B, M, T, dtype=torch.bool, device=points.device)
-    if B * M * T == 0:
-        return out
-    pb = _box3d.point_boxes(boxes)
-    pb = _box3d.PointBoxes(*(t[:, None, :] for t in pb))  # [B, 1, T]
-    p = points.to(_box3d.compute_dtype(points.dtype))
-    step = max(1, _PAIRS_PER_CHUNK // max(B * T, 1))
-    for m0 in range(0, M, step):
-        q = p[:, m0 : m0 + step, :, None]  # [B, m, 3, 1]
-        out[:, m0 : m0 + step] = _box3d.point_in_box(pb, q[:, :, 0], q[:, :, 1], q[:, :, 2])
-    return out
-
-
 def points_in_boxes_all_reference(points, boxes) -> torch.Tensor:
     _check(points, boxes)
-    return _mask(points, boxes).to(torch.int32)
+    return _box3d.points_in_boxes_mask(points, boxes).to(torch.int32)
 
 
 def points_in_boxes_part_reference(points, boxes) -> torch.Tensor:
     _check(points, boxes)
-    mask = _mask(points, boxes)
+    mask = _box3d.points_in_boxes_mask(points, boxes)
     if mask.shape[-1] == 0:
         return torch.full(mask.shape[:2], -1, dtype=torch.int32, device=points.device)
     first = mask.to(torch.uint8).argmax(-1)  # the first maximum: the first box holding it
