@@ -1,0 +1,503 @@
+// dynamic_scatter's two primitives for MUSA and CUDA: voxel_group (the voxels of integer
+// coordinates in mmcv's order, the points grouped by voxel) and segment_reduce (sum / mean / max
+// of each voxel's feature rows, forward and backward). docs/operators/dynamic_scatter.md has the
+// long form; in short:
+//
+// voxel_group_forward (one launch sequence, no host sync; the caller reads the header):
+//   1. colmax_kernel   a row is valid when no entry is negative; per column the largest value
+//                      of the valid rows (block-reduced, then one atomicMax per block), the
+//                      valid rows counted; a value beyond int32 sets the overflow flag
+//   2. keys_kernel     key = mixed radix of the row over dims = max + 1 per column (so sorted
+//                      keys are the lexicographically sorted rows: mmcv's unique_dim order);
+//                      invalid rows get the sentinel prod(dims) (larger than every key); a
+//                      prod(dims) beyond the int32 keys sets the overflow flag (the caller then
+//                      takes the reference path; nothing is read out of bounds meanwhile)
+//   3. radix sort      stable, 3 passes of 11 bits (31-bit keys; the range is on the device)
+//   4. run flags, scan the voxel of each sorted position (run starts counted)
+//   5. emit_kernel     order, point2voxel, starts, voxel_coors (the run's first row)
+//   6. counts_kernel   counts[v] = starts[v + 1] - starts[v]; the header (M, K, overflow)
+//
+// segment_reduce_forward: a thread per (voxel, channel) sums (or maxes, NaN ignored) the voxel's
+// rows in input order in float32 and rounds once. segment_reduce_backward: sum / mean a thread
+// per (row, channel); max: a zero fill, then a thread per (voxel, channel) finds the first row
+// holding the maximum (mmcv's tie rule) and gives it the gradient. No atomics, deterministic.
+//
+// Safety: every data-dependent index is checked (order entries against N, starts / counts
+// against K, voxels against M); a bad grouping gives unspecified values, never an illegal
+// access.
+
+#include <tvm/ffi/function.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "build_facts.muh"
+#include "checks.muh"
+#include "dispatch.muh"
+#include "gpu_compat.muh"
+#include "launch.muh"
+#include "vec.muh"
+#include "voxel_grid.muh"
+#include "voxel_sort.muh"
+
+namespace muspace {
+namespace voxel {
+namespace {
+
+constexpr int kBlocksPerSm = 8;
+constexpr int kMaxNdim = 4;
+constexpr int64_t kMaxRows = int64_t{1} << 30;
+MUSPACE_LIMIT(voxel_group, max_points, kMaxRows);
+MUSPACE_LIMIT(segment_reduce, max_points, kMaxRows);
+constexpr int kKeyBits = 31;  // keys < 2^31: the sentinel prod(dims) <= kMaxKeyRange
+constexpr int64_t kMaxKeyRange = INT_MAX - 1;
+
+// int32 header of the workspace
+constexpr int kColMax = 0;  // [kMaxNdim] the largest value per column of the valid rows
+constexpr int kValid = 4;   // valid rows (K)
+constexpr int kOverflow = 5;
+constexpr int kVoxels = 6;    // M (the scan's total)
+constexpr int kSentinel = 7;  // prod(dims), as written by keys_kernel (thread 0)
+constexpr int kHeaderInts = 8;
+
+template <typename I>
+__global__ void __launch_bounds__(kBlock)
+    colmax_kernel(const I* __restrict__ coors, int n, int ndim, int* __restrict__ header) {
+  __shared__ int s_max[kMaxNdim];
+  __shared__ int s_valid;
+  __shared__ int s_overflow;
+  if (threadIdx.x < static_cast<unsigned>(kMaxNdim)) s_max[threadIdx.x] = 0;
+  if (threadIdx.x == 0) {
+    s_valid = 0;
+    s_overflow = 0;
+  }
+  __syncthreads();
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const I* row = coors + i * ndim;
+    bool valid = true;
+    for (int c = 0; c < ndim; ++c) valid = valid && row[c] >= 0;
+    if (!valid) continue;
+    atomicAdd(&s_valid, 1);
+    for (int c = 0; c < ndim; ++c) {
+      const I v = row[c];
+      if constexpr (sizeof(I) > sizeof(int)) {
+        if (v > static_cast<I>(INT_MAX)) {
+          atomicOr(&s_overflow, 1);
+          continue;
+        }
+      }
+      atomicMax(&s_max[c], static_cast<int>(v));
+    }
+  }
+  __syncthreads();
+  const int t = static_cast<int>(threadIdx.x);
+  if (t < ndim) atomicMax(&header[kColMax + t], s_max[t]);
+  if (t == 0) {
+    if (s_valid) atomicAdd(&header[kValid], s_valid);
+    if (s_overflow) atomicOr(&header[kOverflow], 1);
+  }
+}
+
+template <typename I>
+__global__ void __launch_bounds__(kBlock)
+    group_keys_kernel(const I* __restrict__ coors, int n, int ndim, int* __restrict__ header,
+                      uint32_t* __restrict__ keys, int* __restrict__ idx) {
+  int64_t dims[kMaxNdim];
+  int64_t range = 1;
+  for (int c = 0; c < ndim; ++c) {
+    dims[c] = static_cast<int64_t>(header[kColMax + c]) + 1;
+    range = range <= kMaxKeyRange ? range * dims[c] : range;  // dims <= 2^31: no overflow
+  }
+  const bool overflow = range > kMaxKeyRange || header[kOverflow] != 0;
+  const uint32_t sentinel = overflow ? 0u : static_cast<uint32_t>(range);
+  if (global_thread() == 0) {
+    header[kSentinel] = static_cast<int>(sentinel);
+    if (overflow) header[kOverflow] = 1;
+  }
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const I* row = coors + i * ndim;
+    bool valid = true;
+    for (int c = 0; c < ndim; ++c) valid = valid && row[c] >= 0;
+    uint32_t key = sentinel;  // overflow: every key is the sentinel 0 (the result is discarded)
+    if (valid && !overflow) {
+      int64_t k = 0;  // < range <= kMaxKeyRange: the row's values are < dims
+      for (int c = 0; c < ndim; ++c) k = k * dims[c] + static_cast<int64_t>(row[c]);
+      key = static_cast<uint32_t>(k);
+    }
+    keys[i] = key;
+    idx[i] = static_cast<int>(i);
+  }
+}
+
+__device__ __forceinline__ bool group_start(const uint32_t* keys, int p, uint32_t sentinel) {
+  const uint32_t k = keys[p];
+  return k != sentinel && (p == 0 || keys[p - 1] != k);
+}
+
+__global__ void __launch_bounds__(kBlock)
+    run_flags_kernel(const uint32_t* __restrict__ keys, int n, const int* __restrict__ header,
+                     int* __restrict__ flags) {
+  const uint32_t sentinel = static_cast<uint32_t>(header[kSentinel]);
+  for (int64_t p = global_thread(); p < n; p += global_threads()) {
+    flags[p] = group_start(keys, static_cast<int>(p), sentinel) ? 1 : 0;
+  }
+}
+
+template <typename I>
+__global__ void __launch_bounds__(kBlock)
+    group_emit_kernel(const I* __restrict__ coors, int n, int ndim,
+                      const uint32_t* __restrict__ keys, const int* __restrict__ idx,
+                      const int* __restrict__ run, const int* __restrict__ header,
+                      I* __restrict__ voxel_coors, int* __restrict__ order,
+                      int* __restrict__ starts, int* __restrict__ point2voxel) {
+  const uint32_t sentinel = static_cast<uint32_t>(header[kSentinel]);
+  for (int64_t p = global_thread(); p < n; p += global_threads()) {
+    const int i = idx[p];
+    if (static_cast<unsigned>(i) >= static_cast<unsigned>(n)) continue;
+    if (keys[p] == sentinel) {
+      point2voxel[i] = -1;
+      continue;
+    }
+    const bool start = group_start(keys, static_cast<int>(p), sentinel);
+    const int v = run[p] + (start ? 1 : 0) - 1;  // the exclusive scan counts earlier starts
+    order[p] = i;
+    point2voxel[i] = v;
+    if (start) {
+      starts[v] = static_cast<int>(p);
+      for (int c = 0; c < ndim; ++c)
+        voxel_coors[static_cast<int64_t>(v) * ndim + c] = coors[static_cast<int64_t>(i) * ndim + c];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    group_counts_kernel(const int* __restrict__ header, const int* __restrict__ starts, int n,
+                        int* __restrict__ counts, int64_t* __restrict__ out_header) {
+  const int m = header[kVoxels];
+  const int k = header[kValid];
+  for (int64_t v = global_thread(); v < m && v < n; v += global_threads()) {
+    const int end = v + 1 < m ? starts[v + 1] : k;
+    counts[v] = end - starts[v];
+  }
+  if (global_thread() == 0) {
+    out_header[0] = m;
+    out_header[1] = k;
+    out_header[2] = header[kOverflow];
+  }
+}
+
+// ----------------------------------------------------------------------------- segment reduce
+
+constexpr int kSum = 0, kMean = 1, kMax = 2;
+
+__device__ __forceinline__ float negative_infinity() { return -__int_as_float(0x7f800000); }
+
+// The voxel's valid range [s, e) of order (clamped to [0, k)).
+__device__ __forceinline__ void voxel_range(const int* starts, const int* counts, int v, int k,
+                                            int& s, int& e) {
+  s = min(max(starts[v], 0), k);
+  const int c = max(counts[v], 0);
+  e = static_cast<int>(min(static_cast<int64_t>(s) + c, static_cast<int64_t>(k)));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    segment_reduce_kernel(const T* __restrict__ feats, int n, int channels,
+                          const int* __restrict__ order, int k, const int* __restrict__ starts,
+                          const int* __restrict__ counts, int m, int reduce, T* __restrict__ out) {
+  const int64_t total = static_cast<int64_t>(m) * channels;
+  for (int64_t e = global_thread(); e < total; e += global_threads()) {
+    const int v = static_cast<int>(e / channels);
+    const int c = static_cast<int>(e - static_cast<int64_t>(v) * channels);
+    int s, end;
+    voxel_range(starts, counts, v, k, s, end);
+    float acc = reduce == kMax ? negative_infinity() : 0.0f;
+    for (int j = s; j < end; ++j) {
+      const int i = order[j];
+      if (static_cast<unsigned>(i) >= static_cast<unsigned>(n)) continue;
+      const float x = to_float(feats[static_cast<int64_t>(i) * channels + c]);
+      if (reduce == kMax) {
+        acc = x > acc ? x : acc;  // NaN never wins (mmcv's fmaxf)
+      } else {
+        acc += x;
+      }
+    }
+    if (reduce == kMean) acc = acc / static_cast<float>(max(counts[v], 1));
+    out[e] = from_float<T>(acc);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    segment_grad_rows_kernel(const T* __restrict__ grad_out, int n, int channels,
+                             const int* __restrict__ counts, const int* __restrict__ point2voxel,
+                             int m, int reduce, T* __restrict__ grad) {
+  const int64_t total = static_cast<int64_t>(n) * channels;
+  for (int64_t e = global_thread(); e < total; e += global_threads()) {
+    const int i = static_cast<int>(e / channels);
+    const int c = static_cast<int>(e - static_cast<int64_t>(i) * channels);
+    const int v = point2voxel[i];
+    float g = 0.0f;
+    if (static_cast<unsigned>(v) < static_cast<unsigned>(m)) {
+      g = to_float(grad_out[static_cast<int64_t>(v) * channels + c]);
+      if (reduce == kMean) g = g / static_cast<float>(max(counts[v], 1));
+    }
+    grad[e] = from_float<T>(g);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    segment_grad_max_kernel(const T* __restrict__ grad_out, const T* __restrict__ feats, int n,
+                            int channels, const int* __restrict__ order, int k,
+                            const int* __restrict__ starts, const int* __restrict__ counts, int m,
+                            T* __restrict__ grad) {
+  const int64_t total = static_cast<int64_t>(m) * channels;
+  for (int64_t e = global_thread(); e < total; e += global_threads()) {
+    const int v = static_cast<int>(e / channels);
+    const int c = static_cast<int>(e - static_cast<int64_t>(v) * channels);
+    int s, end;
+    voxel_range(starts, counts, v, k, s, end);
+    float best = negative_infinity();
+    int arg = -1;
+    for (int j = s; j < end; ++j) {
+      const int i = order[j];
+      if (static_cast<unsigned>(i) >= static_cast<unsigned>(n)) continue;
+      const float x = to_float(feats[static_cast<int64_t>(i) * channels + c]);
+      // the first row holding the maximum (order is ascending inside a voxel); -inf rows count
+      if (x > best || (arg < 0 && x == best)) {
+        best = x;
+        arg = i;
+      }
+    }
+    if (arg >= 0) grad[static_cast<int64_t>(arg) * channels + c] = grad_out[e];
+  }
+}
+
+// ------------------------------------------------------------------------------ host helpers
+
+int blocks_for(int64_t n_threads, int device_id) {
+  return grid_for(n_threads, kBlock, device_id, kBlocksPerSm);
+}
+
+struct GroupLayout {
+  int64_t header, keys_a, vals_a, keys_b, vals_b, hist, sums, run, ints;
+};
+
+int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
+
+GroupLayout group_layout(int64_t n) {
+  GroupLayout l;
+  int64_t off = 0;
+  auto take = [&](int64_t k) {
+    const int64_t at = off;
+    off += round4(std::max<int64_t>(k, 1));
+    return at;
+  };
+  l.header = take(kHeaderInts);
+  l.keys_a = take(n);
+  l.vals_a = take(n);
+  l.keys_b = take(n);
+  l.vals_b = take(n);
+  l.hist = take(radix_hist_ints(n));
+  l.sums = take(radix_sums_ints(n));
+  l.run = take(n);
+  l.ints = off;
+  return l;
+}
+
+// ------------------------------------------------------------------------------ entry points
+
+int64_t group_workspace_ints(int64_t n) {
+  if (n < 0 || n > kMaxRows) {
+    TVM_FFI_THROW(ValueError) << "voxel_group_workspace_ints: n = " << n << " out of range";
+  }
+  return group_layout(n).ints;
+}
+
+// All outputs have N entries (upper bounds); the header [3] int64 gets (M voxels, K kept rows,
+// overflow): the first M / K entries of voxel_coors, starts, counts / order are the result.
+void group_forward(TensorView coors, TensorView workspace, TensorView voxel_coors, TensorView order,
+                   TensorView starts, TensorView counts, TensorView point2voxel, TensorView header,
+                   int64_t stream) {
+  check_gpu_tensor(coors, "coors");
+  check_index_input(coors, "coors", coors);
+  check_ndim(coors, "coors", 2);
+  const int64_t n = coors.size(0);
+  const int64_t ndim = coors.size(1);
+  if (ndim < 1 || ndim > kMaxNdim) {
+    TVM_FFI_THROW(ValueError) << "coors must have 1 to " << kMaxNdim << " columns, got " << ndim;
+  }
+  if (n > kMaxRows) {
+    TVM_FFI_THROW(ValueError) << "coors has " << n << " rows; at most " << kMaxRows;
+  }
+  check_input(voxel_coors, "voxel_coors", coors, coors.dtype());
+  check_ndim(voxel_coors, "voxel_coors", 2);
+  check_size(voxel_coors, "voxel_coors", 0, n);
+  check_size(voxel_coors, "voxel_coors", 1, ndim);
+  check_vector(order, "order", coors, kInt32, n);
+  check_vector(starts, "starts", coors, kInt32, n);
+  check_vector(counts, "counts", coors, kInt32, n);
+  check_vector(point2voxel, "point2voxel", coors, kInt32, n);
+  check_vector(header, "header", coors, kInt64, 3);
+  const GroupLayout l = group_layout(n);
+  check_input(workspace, "workspace", coors, kInt32);
+  check_ndim(workspace, "workspace", 1);
+  if (workspace.size(0) < l.ints) {
+    TVM_FFI_THROW(ValueError) << "workspace must hold " << l.ints << " int32 (from "
+                              << "voxel_group_workspace_ints), got " << workspace.size(0);
+  }
+  check_aligned(workspace, "workspace", 16);
+  const int device_id = coors.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  int* ws = data_of<int>(workspace);
+  int* head = ws + l.header;
+  launch_zero(head, kHeaderInts * 4, device_id, st, "voxel_group fill (header)");
+  if (n == 0) {
+    launch_zero(data_of(header), 3 * 8, device_id, st, "voxel_group fill (header out)");
+    return;
+  }
+  const int ni = static_cast<int>(n);
+  const int nd = static_cast<int>(ndim);
+  uint32_t* keys_a = reinterpret_cast<uint32_t*>(ws + l.keys_a);
+  uint32_t* keys_b = reinterpret_cast<uint32_t*>(ws + l.keys_b);
+  int* vals_a = ws + l.vals_a;
+  int* vals_b = ws + l.vals_b;
+  dispatch_index(coors, "coors", [&](auto tag) {
+    using I = decltype(tag);
+    colmax_kernel<I>
+        <<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const I>(coors), ni, nd, head);
+    check_launch("voxel_group colmax_kernel");
+    group_keys_kernel<I><<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const I>(coors), ni,
+                                                                      nd, head, keys_a, vals_a);
+    check_launch("voxel_group keys_kernel");
+  });
+  const RadixPlan plan = radix_plan(kKeyBits);
+  const uint32_t* keys = keys_a;
+  const int* idx = vals_a;
+  if (radix_sort(keys_a, vals_a, keys_b, vals_b, ni, plan, ws + l.hist, ws + l.sums, st)) {
+    keys = keys_b;
+    idx = vals_b;
+  }
+  int* run = ws + l.run;
+  run_flags_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(keys, ni, head, run);
+  check_launch("voxel_group run_flags_kernel");
+  exclusive_scan(run, run, n, ws + l.sums, head + kVoxels, st, "voxel_group run scan");
+  dispatch_index(coors, "coors", [&](auto tag) {
+    using I = decltype(tag);
+    group_emit_kernel<I><<<blocks_for(n, device_id), kBlock, 0, st>>>(
+        data_of<const I>(coors), ni, nd, keys, idx, run, head, data_of<I>(voxel_coors),
+        data_of<int>(order), data_of<int>(starts), data_of<int>(point2voxel));
+    check_launch("voxel_group emit_kernel");
+  });
+  group_counts_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
+      head, data_of<const int>(starts), ni, data_of<int>(counts), data_of<int64_t>(header));
+  check_launch("voxel_group counts_kernel");
+}
+
+struct Grouping {
+  int64_t n, channels, k, m;
+};
+
+Grouping check_grouping(const TensorView& feats, const char* feats_name, const TensorView& order,
+                        const TensorView& starts, const TensorView& counts) {
+  check_gpu_tensor(feats, feats_name);
+  check_float_dtype(feats, feats_name);
+  check_contiguous(feats, feats_name);
+  check_ndim(feats, feats_name, 2);
+  Grouping g;
+  g.n = feats.size(0);
+  g.channels = feats.size(1);
+  if (g.n > kMaxRows) {
+    TVM_FFI_THROW(ValueError) << feats_name << " has " << g.n << " rows; at most " << kMaxRows;
+  }
+  check_input(order, "order", feats, kInt32);
+  check_ndim(order, "order", 1);
+  g.k = order.size(0);
+  check_input(starts, "starts", feats, kInt32);
+  check_ndim(starts, "starts", 1);
+  g.m = starts.size(0);
+  check_vector(counts, "counts", feats, kInt32, g.m);
+  if (g.k > kMaxRows || g.m > kMaxRows) {
+    TVM_FFI_THROW(ValueError) << "order / starts hold more than " << kMaxRows << " entries";
+  }
+  return g;
+}
+
+int reduce_code(int64_t reduce) {
+  if (reduce != kSum && reduce != kMean && reduce != kMax) {
+    TVM_FFI_THROW(ValueError) << "reduce_type must be 0 (sum), 1 (mean) or 2 (max), got " << reduce;
+  }
+  return static_cast<int>(reduce);
+}
+
+void reduce_forward(TensorView feats, TensorView order, TensorView starts, TensorView counts,
+                    TensorView out, int64_t reduce, int64_t stream) {
+  const Grouping g = check_grouping(feats, "feats", order, starts, counts);
+  const int r = reduce_code(reduce);
+  check_like(out, "out", feats, "feats");
+  check_ndim(out, "out", 2);
+  check_size(out, "out", 0, g.m);
+  check_size(out, "out", 1, g.channels);
+  if (out.numel() == 0) return;
+  const int device_id = feats.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  dispatch_float(feats, "feats", [&](auto tag) {
+    using T = decltype(tag);
+    segment_reduce_kernel<T><<<blocks_for(g.m * g.channels, device_id), kBlock, 0, st>>>(
+        data_of<const T>(feats), static_cast<int>(g.n), static_cast<int>(g.channels),
+        data_of<const int>(order), static_cast<int>(g.k), data_of<const int>(starts),
+        data_of<const int>(counts), static_cast<int>(g.m), r, data_of<T>(out));
+    check_launch("segment_reduce_kernel");
+  });
+}
+
+void reduce_backward(TensorView grad_out, TensorView feats, TensorView order, TensorView starts,
+                     TensorView counts, TensorView point2voxel, TensorView grad, int64_t reduce,
+                     int64_t stream) {
+  const Grouping g = check_grouping(feats, "feats", order, starts, counts);
+  const int r = reduce_code(reduce);
+  check_like(grad_out, "grad_out", feats, "feats");
+  check_ndim(grad_out, "grad_out", 2);
+  check_size(grad_out, "grad_out", 0, g.m);
+  check_size(grad_out, "grad_out", 1, g.channels);
+  check_vector(point2voxel, "point2voxel", feats, kInt32, g.n);
+  check_like(grad, "grad", feats, "feats");
+  check_same_shape(grad, "grad", feats, "feats");
+  if (grad.numel() == 0) return;
+  const int device_id = feats.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  dispatch_float(feats, "feats", [&](auto tag) {
+    using T = decltype(tag);
+    if (r != kMax) {
+      segment_grad_rows_kernel<T><<<blocks_for(g.n * g.channels, device_id), kBlock, 0, st>>>(
+          data_of<const T>(grad_out), static_cast<int>(g.n), static_cast<int>(g.channels),
+          data_of<const int>(counts), data_of<const int>(point2voxel), static_cast<int>(g.m), r,
+          data_of<T>(grad));
+      check_launch("segment_grad_rows_kernel");
+      return;
+    }
+    launch_zero(data_of(grad), grad.numel() * element_bytes(grad), device_id, st,
+                "segment_reduce fill (grad)");
+    if (g.m * g.channels == 0) return;
+    segment_grad_max_kernel<T><<<blocks_for(g.m * g.channels, device_id), kBlock, 0, st>>>(
+        data_of<const T>(grad_out), data_of<const T>(feats), static_cast<int>(g.n),
+        static_cast<int>(g.channels), data_of<const int>(order), static_cast<int>(g.k),
+        data_of<const int>(starts), data_of<const int>(counts), static_cast<int>(g.m),
+        data_of<T>(grad));
+    check_launch("segment_grad_max_kernel");
+  });
+}
+
+}  // namespace
+}  // namespace voxel
+}  // namespace muspace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_forward, muspace::voxel::group_forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_workspace_ints, muspace::voxel::group_workspace_ints);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_reduce_forward, muspace::voxel::reduce_forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_reduce_backward, muspace::voxel::reduce_backward);

@@ -1,0 +1,200 @@
+// pillar_scatter (mmdet3d's PointPillarsScatter) for MUSA and CUDA: pillar features [M, C] and
+// coors [M, 4] (batch, z, y, x) -> the dense canvas [B, C, ny, nx]; and its backward.
+//
+// Forward: (1) the caller's cell map [B * ny * nx] int32 is filled with -1; (2) per pillar
+// inside the canvas, atomicMax(map[cell], pillar): the last (highest) pillar of a cell wins, a
+// fixed rule (upstream's index_put leaves it unspecified); (3) a thread per cell writes the
+// cell's C channels (consecutive threads -> consecutive cells: every store coalesced; the
+// canvas write is the compulsory traffic that dominates), copying raw element bits. Backward:
+// the same map, then a thread per (pillar, channel): the cell's gradient for the winner of its
+// cell, 0 otherwise. No host synchronisation, CUDA-graph capturable.
+
+#include <tvm/ffi/function.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "build_facts.muh"
+#include "checks.muh"
+#include "dispatch.muh"
+#include "gpu_compat.muh"
+#include "launch.muh"
+#include "voxel_grid.muh"
+#include "voxel_sort.muh"
+
+namespace muspace {
+namespace voxel {
+namespace {
+
+constexpr int kBlocksPerSm = 8;
+constexpr int64_t kMaxPillars = INT_MAX;
+MUSPACE_LIMIT(pillar_scatter, max_pillars, kMaxPillars);
+
+// The canvas cell of pillar i, or -1 outside the canvas (batch, y or x out of range).
+template <typename I>
+__device__ __forceinline__ int64_t pillar_cell(const I* coors, int64_t i, int batch, int ny,
+                                               int nx) {
+  const I* r = coors + i * 4;
+  const I b = r[0], y = r[2], x = r[3];
+  if (b < 0 || b >= batch || y < 0 || y >= ny || x < 0 || x >= nx) return -1;
+  return (static_cast<int64_t>(b) * ny + y) * nx + x;
+}
+
+template <typename I>
+__global__ void __launch_bounds__(kBlock)
+    pillar_map_kernel(const I* __restrict__ coors, int m, int batch, int ny, int nx,
+                      int* __restrict__ cell_map) {
+  for (int64_t i = global_thread(); i < m; i += global_threads()) {
+    const int64_t cell = pillar_cell(coors, i, batch, ny, nx);
+    if (cell >= 0) atomicMax(&cell_map[cell], static_cast<int>(i));
+  }
+}
+
+template <typename W>
+__global__ void __launch_bounds__(kBlock)
+    canvas_kernel(const W* __restrict__ feats, int m, int channels,
+                  const int* __restrict__ cell_map, int batch, int64_t plane,
+                  W* __restrict__ canvas) {
+  const int64_t cells = static_cast<int64_t>(batch) * plane;
+  for (int64_t cell = global_thread(); cell < cells; cell += global_threads()) {
+    const int64_t b = cell / plane;
+    const int64_t yx = cell - b * plane;
+    const int p = cell_map[cell];
+    const bool has = static_cast<unsigned>(p) < static_cast<unsigned>(m);
+    const W* src = feats + static_cast<int64_t>(has ? p : 0) * channels;
+    W* dst = canvas + b * channels * plane + yx;
+    for (int c = 0; c < channels; ++c) dst[c * plane] = has ? src[c] : W(0);
+  }
+}
+
+template <typename W, typename I>
+__global__ void __launch_bounds__(kBlock)
+    pillar_grad_kernel(const W* __restrict__ grad_canvas, const I* __restrict__ coors, int m,
+                       int channels, const int* __restrict__ cell_map, int batch, int ny, int nx,
+                       W* __restrict__ grad) {
+  const int64_t plane = static_cast<int64_t>(ny) * nx;
+  const int64_t total = static_cast<int64_t>(m) * channels;
+  for (int64_t e = global_thread(); e < total; e += global_threads()) {
+    const int64_t i = e / channels;
+    const int c = static_cast<int>(e - i * channels);
+    const int64_t cell = pillar_cell(coors, i, batch, ny, nx);
+    W g = W(0);
+    if (cell >= 0 && cell_map[cell] == static_cast<int>(i)) {
+      const int64_t b = cell / plane;
+      g = grad_canvas[(b * channels + c) * plane + (cell - b * plane)];
+    }
+    grad[e] = g;
+  }
+}
+
+int blocks_for(int64_t n_threads, int device_id) {
+  return grid_for(n_threads, kBlock, device_id, kBlocksPerSm);
+}
+
+struct Canvas {
+  int64_t m, channels;
+  int batch, ny, nx;
+};
+
+// feats-like [M, C] float (16 / 32 bit), coors [M, 4] int32 / int64, the canvas-like [B, C, ny,
+// nx] of feats' dtype, the cell map [B * ny * nx] int32.
+Canvas check_canvas(const TensorView& feats, const char* feats_name, const TensorView& coors,
+                    const TensorView& canvas, const char* canvas_name, const TensorView& cell_map) {
+  check_gpu_tensor(feats, feats_name);
+  check_float_dtype<Bf16::kBits>(feats, feats_name);
+  check_contiguous(feats, feats_name);
+  check_ndim(feats, feats_name, 2);
+  Canvas k;
+  k.m = feats.size(0);
+  k.channels = feats.size(1);
+  if (k.m > kMaxPillars) {
+    TVM_FFI_THROW(ValueError) << feats_name << " has " << k.m << " rows; at most " << kMaxPillars;
+  }
+  check_index_input(coors, "coors", feats);
+  check_ndim(coors, "coors", 2);
+  check_size(coors, "coors", 0, k.m);
+  check_size(coors, "coors", 1, 4);
+  check_like(canvas, canvas_name, feats, feats_name);
+  check_ndim(canvas, canvas_name, 4);
+  check_size(canvas, canvas_name, 1, k.channels);
+  const int64_t cells = canvas.size(0) * canvas.size(2) * canvas.size(3);
+  if (cells > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << canvas_name << ": B*ny*nx = " << cells
+                              << " cells exceed the int32 cell map";
+  }
+  k.batch = static_cast<int>(canvas.size(0));
+  k.ny = static_cast<int>(canvas.size(2));
+  k.nx = static_cast<int>(canvas.size(3));
+  check_vector(cell_map, "cell_map", feats, kInt32, cells);
+  return k;
+}
+
+void fill_map(const TensorView& coors, const Canvas& k, TensorView cell_map, int device_id,
+              gpuStream_t st) {
+  launch_fill(data_of(cell_map), cell_map.numel() * 4, fill_word(static_cast<int32_t>(-1)),
+              device_id, st, "pillar_scatter fill (cell map)");
+  if (k.m == 0) return;
+  dispatch_index(coors, "coors", [&](auto tag) {
+    using I = decltype(tag);
+    pillar_map_kernel<I><<<blocks_for(k.m, device_id), kBlock, 0, st>>>(
+        data_of<const I>(coors), static_cast<int>(k.m), k.batch, k.ny, k.nx,
+        data_of<int>(cell_map));
+    check_launch("pillar_map_kernel");
+  });
+}
+
+void forward(TensorView feats, TensorView coors, TensorView cell_map, TensorView canvas,
+             int64_t stream) {
+  const Canvas k = check_canvas(feats, "voxel_features", coors, canvas, "canvas", cell_map);
+  if (canvas.numel() == 0) return;
+  const int device_id = feats.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  fill_map(coors, k, cell_map, device_id, st);
+  const int64_t plane = static_cast<int64_t>(k.ny) * k.nx;
+  auto launch = [&](auto word_tag) {
+    using W = decltype(word_tag);
+    canvas_kernel<W><<<blocks_for(k.batch * plane, device_id), kBlock, 0, st>>>(
+        data_of<const W>(feats), static_cast<int>(k.m), static_cast<int>(k.channels),
+        data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
+    check_launch("pillar canvas_kernel");
+  };
+  if (element_bytes(feats) == 4) {
+    launch(uint32_t{});
+  } else {
+    launch(uint16_t{});
+  }
+}
+
+void backward(TensorView grad_canvas, TensorView coors, TensorView cell_map, TensorView grad,
+              int64_t stream) {
+  const Canvas k = check_canvas(grad, "grad", coors, grad_canvas, "grad_canvas", cell_map);
+  if (grad.numel() == 0) return;
+  const int device_id = grad.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  fill_map(coors, k, cell_map, device_id, st);
+  dispatch_index(coors, "coors", [&](auto itag) {
+    using I = decltype(itag);
+    auto launch = [&](auto word_tag) {
+      using W = decltype(word_tag);
+      pillar_grad_kernel<W, I><<<blocks_for(k.m * k.channels, device_id), kBlock, 0, st>>>(
+          data_of<const W>(grad_canvas), data_of<const I>(coors), static_cast<int>(k.m),
+          static_cast<int>(k.channels), data_of<const int>(cell_map), k.batch, k.ny, k.nx,
+          data_of<W>(grad));
+      check_launch("pillar_grad_kernel");
+    };
+    if (element_bytes(grad) == 4) {
+      launch(uint32_t{});
+    } else {
+      launch(uint16_t{});
+    }
+  });
+}
+
+}  // namespace
+}  // namespace voxel
+}  // namespace muspace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(pillar_scatter_forward, muspace::voxel::forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(pillar_scatter_backward, muspace::voxel::backward);
