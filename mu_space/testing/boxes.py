@@ -109,6 +109,14 @@ def lidar_frame(n_points: int, n_boxes: int, *, batch: int = 1, seed: int = 0):
     return torch.stack(pts), torch.stack(bxs)
 
 
+def roi_inputs(n_points: int, n_rois: int, *, seed: int = 0, extent: float = 15.0):
+    """RoI pooling inputs: (rois [N, 7], pts [P, 3]) float32, proposals around LiDAR objects
+    (detections' noise: centre +-0.3 m, sizes +-8%, yaw +-0.15) over a point cloud with 60% of
+    its points on the objects."""
+    rois, _ = detections(n_rois, seed=seed, extent=extent, per_object=3)
+    return rois, lidar_points(rois, n_points, seed=seed, extent=extent, object_share=0.6)
+
+
 def detections(n: int, *, seed: int = 0, per_object: int = 8, extent: float = 50.0):
     """NMS candidates: (boxes [n, 7], scores [n]) float32. Objects (lidar_boxes) each get
     per_object noisy copies (centre +-0.3 m, size +-8%, yaw +-0.15 rad) with scores around the
