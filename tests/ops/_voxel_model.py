@@ -1,0 +1,147 @@
+"""A numpy model of the native hard-voxelization pipeline (csrc/voxel/voxelize_musa.mu and
+voxel_sort.muh), kernel by kernel, with the tile size and digit width as parameters, so the
+tests can take every path (many tiles, many passes, one-bit digits) on small inputs and compare
+with the reference. It mirrors the kernels' index arithmetic, not their parallel schedule: each
+kernel's per-item rule is applied to every item, which is what the kernels compute because no
+item depends on another item of the same kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def exclusive_scan(a: np.ndarray) -> tuple[np.ndarray, int]:
+    """scan_tile_sums + scan_apply: out[i] = sum a[:i] (tiling does not change the values)."""
+    c = np.cumsum(a, dtype=np.int64)
+    return (c - a).astype(np.int64), int(c[-1]) if a.size else 0
+
+
+def radix_plan(total_bits: int, max_digit_bits: int):
+    total_bits = max(total_bits, 1)
+    passes = (total_bits + max_digit_bits - 1) // max_digit_bits
+    bits = (total_bits + passes - 1) // passes
+    return passes, bits, total_bits
+
+
+def radix_pass(keys, vals, shift, bits, tile):
+    n = keys.size
+    n_tiles = (n + tile - 1) // tile
+    buckets = 1 << bits
+    digit = (keys >> shift) & (buckets - 1)
+    # radix_hist_kernel: hist[d * n_tiles + t]
+    hist = np.zeros(buckets * n_tiles, dtype=np.int64)
+    for t in range(n_tiles):
+        counts = np.bincount(digit[t * tile : (t + 1) * tile], minlength=buckets)
+        hist[np.arange(buckets) * n_tiles + t] = counts
+    offsets, _ = exclusive_scan(hist)
+    out_k = np.full(n, -1, dtype=np.int64)
+    out_v = np.full(n, -1, dtype=np.int64)
+    for t in range(n_tiles):
+        lo, hi = t * tile, min((t + 1) * tile, n)
+        d = digit[lo:hi]
+        j = np.arange(hi - lo)
+        comp = (d << 20) | j  # the kernel packs (digit << kTileBits) | j; sorting is the same
+        p_of = np.empty(hi - lo, dtype=np.int64)
+        p_of[np.argsort(comp, kind="stable")] = np.arange(hi - lo)  # sorted position of item j
+        counts = np.bincount(d, minlength=buckets)
+        start = np.cumsum(counts) - counts  # s_start: exclusive per digit
+        rank = p_of - start[d]
+        dst = offsets[d * n_tiles + t] + rank
+        assert ((dst >= 0) & (dst < n)).all()
+        out_k[dst] = keys[lo:hi]
+        out_v[dst] = vals[lo:hi]
+    assert (out_v >= 0).all(), "a destination was not written"
+    return out_k, out_v
+
+
+def radix_sort(keys: np.ndarray, total_bits: int, *, tile: int = 1024, digit_bits: int = 11):
+    """(sorted keys, the original index of each) after radix_sort's passes."""
+    keys = np.asarray(keys, dtype=np.int64)
+    vals = np.arange(keys.size, dtype=np.int64)
+    passes, bits, total = radix_plan(total_bits, digit_bits)
+    for p in range(passes):
+        shift = p * bits
+        keys, vals = radix_pass(keys, vals, shift, min(bits, total - shift), tile)
+    return keys, vals
+
+
+def _axis_cell(v: np.ndarray, lo: float, size: float, cells: int):
+    """axis_cell: floorf((v - lo) / size) in float32, valid in [0, cells)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        f = np.floor((v.astype(np.float32) - np.float32(lo)) / np.float32(size))
+        ok = (f >= 0) & (f < 2147483648.0)
+        c = np.where(ok, f, 0).astype(np.int64)
+    return c, ok & (c < cells)
+
+
+def hard_voxelize(points, grid, P, V, sizes, *, tile=1024, digit_bits=11, padded_rows=None):
+    """(voxels, coors, num, count) as voxel_hard_forward writes them; `padded_rows` set: the
+    padded mode with that many rows (one sample)."""
+    pts = points.detach().cpu().float().numpy()
+    raw = points.detach().cpu()
+    n, C = pts.shape
+    ncols = 3 if sizes is None else 4  # what the Python layer passes
+    sizes = list(sizes) if sizes is not None else [n]
+    off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    B = len(sizes)
+    gx, gy, gz = grid.cells
+    cells = gx * gy * gz
+    sentinel = B * cells
+    # keys_kernel
+    cx, okx = _axis_cell(pts[:, 0], grid.lower[0], grid.size[0], gx)
+    cy, oky = _axis_cell(pts[:, 1], grid.lower[1], grid.size[1], gy)
+    cz, okz = _axis_cell(pts[:, 2], grid.lower[2], grid.size[2], gz)
+    sample = np.searchsorted(off[1:], np.arange(n), side="right")  # sample_of
+    keys = np.where(okx & oky & okz, sample * cells + (cz * gy + cy) * gx + cx, sentinel)
+    skeys, idx = radix_sort(keys, int(sentinel).bit_length(), tile=tile, digit_bits=digit_bits)
+    # first_flags_kernel + scan
+    start = (skeys != sentinel) & np.concatenate([[True], skeys[1:] != skeys[:-1]])
+    first = np.zeros(n, dtype=np.int64)
+    first[idx] = start
+    rank, total = exclusive_scan(first)
+    # samples_kernel
+    sample_first, sample_base, kept = [], [], []
+    base = 0
+    for b in range(B):
+        lo = rank[off[b]] if off[b] < n else total
+        hi = rank[off[b + 1]] if off[b + 1] < n else total
+        k = min(max(hi - lo, 0), V)
+        sample_first.append(lo)
+        sample_base.append(base)
+        kept.append(k)
+        base += k
+    m = base
+    rows = padded_rows if padded_rows is not None else sum(min(s, V) for s in sizes)
+    # rows_kernel
+    row_start = np.full(rows, -1, dtype=np.int64)
+    for p in np.nonzero(start)[0]:
+        b = skeys[p] // cells
+        local = rank[idx[p]] - sample_first[b]
+        if local < V:
+            row = sample_base[b] + local
+            if row < rows:
+                row_start[row] = p
+    # emit_kernel
+    voxels = torch.zeros((rows, P, C), dtype=raw.dtype)
+    coors = torch.zeros((rows, ncols), dtype=torch.int32)
+    num = torch.zeros(rows, dtype=torch.int32)
+    for row in range(rows):
+        if row >= m:
+            coors[row] = -1
+            continue
+        s = row_start[row]
+        assert s >= 0, f"row {row} < m = {m} has no run"
+        key = skeys[s]
+        count = 0
+        while count < P and s + count < n and skeys[s + count] == key:
+            voxels[row, count] = raw[idx[s + count]]
+            count += 1
+        num[row] = count
+        b, cell = key // cells, key % cells
+        zyx = [cell // (gx * gy), (cell // gx) % gy, cell % gx]
+        coors[row] = torch.tensor(([b] if ncols == 4 else []) + zyx, dtype=torch.int32)
+    if padded_rows is None:
+        return voxels[:m], coors[:m], num[:m], torch.tensor(m)
+    return voxels, coors, num, torch.tensor(m)

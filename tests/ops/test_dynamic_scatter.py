@@ -1,0 +1,259 @@
+"""dynamic_scatter (mmcv API) and its parts voxel_group / segment_reduce, mmcv's DynamicScatter
+module. References against `_voxel_oracle.mmcv_scatter` (mmcv's rules as loops) on dynamic
+voxelization rows of generated LiDAR clouds; gradients against the loop backward and float64
+gradcheck; native (GPU) tests compare the kernels with the reference.
+
+Tolerances: max and the voxel order / coordinates are exact. Sums and means: the reference
+accumulates in float32 in input order, the loop in float64: up to ~1e-6 relative on sums of
+O(10) values of O(50) (metres): 1e-5 abs + 1e-5 rel covers it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import mu_space
+from mu_space.ops import _voxel
+from mu_space.ops.dynamic_scatter import (
+    dynamic_scatter_backward_from_map,
+    dynamic_scatter_with_map,
+    groups_consistent,
+    segment_reduce,
+    voxel_group,
+)
+from mu_space.ops.voxel_layers import DynamicScatter
+from mu_space.testing import lidar
+from tests.helpers import assert_close, native_gpu_device
+from tests.ops import _voxel_oracle as oracle
+
+ds = sys.modules["mu_space.ops.dynamic_scatter"]
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _inputs(config="tiny-voxels", clouds=1, with_batch=False, channels=None, seed=0):
+    pts, coors = ds._dynamic_coors("cpu", config, clouds, with_batch=with_batch)
+    if channels:
+        g = torch.Generator().manual_seed(seed)
+        pts = torch.randn(pts.shape[0], channels, generator=g)
+    return pts, coors
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+@pytest.mark.parametrize("with_batch", [False, True])
+def test_reference_matches_mmcv(reduce, with_batch):
+    feats, coors = _inputs(clouds=2 if with_batch else 1, with_batch=with_batch)
+    got, got_coors = mu_space.dynamic_scatter(feats, coors, reduce)
+    want, want_coors, _ = oracle.mmcv_scatter(feats, coors, reduce)
+    assert torch.equal(got_coors, want_coors) and got_coors.dtype == coors.dtype
+    assert got.dtype == feats.dtype
+    if reduce == "max":
+        assert torch.equal(got.double(), want)
+    else:
+        assert_close(got.double(), want, **TOL)
+    assert got.shape[0] > 500  # a real workload: many voxels
+
+
+def test_order_is_sorted_coordinates_and_rows_with_a_negative_entry_drop():
+    coors = torch.tensor(
+        [[2, 0, 1], [0, 5, 5], [-1, 0, 0], [0, 5, 5], [0, -1, 3], [1, 9, 0], [2, 0, 1]]
+    )
+    feats = torch.arange(7.0)[:, None].repeat(1, 2)
+    out, vc = mu_space.dynamic_scatter(feats, coors, "sum")
+    assert vc.tolist() == [[0, 5, 5], [1, 9, 0], [2, 0, 1]]
+    assert out[:, 0].tolist() == [1 + 3, 5, 0 + 6]
+    g = voxel_group(coors)
+    assert g.point2voxel.tolist() == [2, 0, -1, 0, -1, 1, 2]
+    assert g.order.tolist() == [1, 3, 5, 0, 6] and g.starts.tolist() == [0, 2, 3]
+    assert g.counts.tolist() == [2, 1, 2]
+    assert groups_consistent(g.order, g.starts, g.counts, g.point2voxel) is None
+
+
+def test_max_ignores_nan_and_inf_is_a_value():
+    coors = torch.tensor([[0, 0, 0]] * 4 + [[1, 0, 0]] * 2)
+    feats = torch.tensor(
+        [[float("nan"), 1.0], [2.0, float("-inf")], [float("nan"), 5.0], [1.0, 5.0],
+         [float("nan"), float("-inf")], [float("nan"), float("-inf")]]
+    )  # fmt: skip
+    out, _ = mu_space.dynamic_scatter(feats, coors, "max")
+    assert out.tolist() == [[2.0, 5.0], [float("-inf"), float("-inf")]]
+    f = feats.clone().requires_grad_(True)
+    out, _ = mu_space.dynamic_scatter(f, coors, "max")
+    out.backward(torch.tensor([[10.0, 20.0], [30.0, 40.0]]))
+    # channel 1 of voxel 0: rows 2 and 3 hold 5, the first (row 2) gets the gradient; voxel 1's
+    # channel 0 has no number (no gradient), channel 1 is -inf at rows 4 and 5 (row 4 gets it)
+    assert f.grad.tolist() == [[0, 0], [10, 0], [0, 20], [0, 0], [0, 40], [0, 0]]
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+def test_gradients_match_mmcv_backward(reduce):
+    feats, coors = _inputs(channels=4)
+    feats = feats.round(decimals=1)  # ties in max
+    f = feats.clone().requires_grad_(True)
+    out, _ = mu_space.dynamic_scatter(f, coors, reduce)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(g)
+    want_out, _, members = oracle.mmcv_scatter(feats, coors, reduce)
+    want = oracle.mmcv_scatter_grad(feats, reduce, want_out, members, g)
+    assert_close(f.grad.double(), want, **TOL, name="grad_feats")
+    # the ext backward rule (from the saved forward results) gives the same
+    _, _, p2v, counts = dynamic_scatter_with_map(feats, coors, reduce)
+    ext = dynamic_scatter_backward_from_map(g, feats, out.detach(), p2v, counts, reduce)
+    assert_close(ext.double(), want, **TOL, name="ext backward")
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+def test_gradcheck_float64(reduce):
+    coors = torch.tensor(
+        [[0, 1, 1], [0, 1, 1], [2, 0, 1], [-1, 0, 0], [0, 1, 1], [2, 0, 1], [3, 3, 3]]
+    )
+    feats = torch.randn(7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    f = feats.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: mu_space.dynamic_scatter(x, coors, reduce)[0], (f,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_accumulates_in_float32(dtype):
+    feats, coors = _inputs(channels=8)
+    got, _ = mu_space.dynamic_scatter(feats.to(dtype), coors, "mean")
+    want, _, _ = oracle.mmcv_scatter(feats.to(dtype).double(), coors, "mean")
+    tol = {torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2)}[dtype]
+    assert got.dtype == dtype
+    assert_close(got.double(), want, atol=tol[0], rtol=tol[1])
+
+
+def test_empty_and_all_dropped():
+    feats, coors = _inputs()
+    out, vc = mu_space.dynamic_scatter(feats[:0], coors[:0], "max")
+    assert out.shape == (0, feats.shape[1]) and vc.shape == (0, 3)
+    out, vc = mu_space.dynamic_scatter(feats, torch.full_like(coors, -1), "mean")
+    assert out.shape == (0, feats.shape[1]) and vc.shape == (0, 3)
+
+
+def test_argument_errors_name_the_argument():
+    feats, coors = _inputs()
+    with pytest.raises(ValueError, match="reduce_type must be one of"):
+        mu_space.dynamic_scatter(feats, coors, "min")
+    with pytest.raises(TypeError, match="coors must be int32 or int64, got float32"):
+        mu_space.dynamic_scatter(feats, coors.float(), "max")
+    with pytest.raises(ValueError, match=r"coors.shape\[0\] must be"):
+        mu_space.dynamic_scatter(feats, coors[1:], "max")
+    with pytest.raises(TypeError, match="feats must be float32, float16, bfloat16 or float64"):
+        mu_space.dynamic_scatter(feats.int(), coors, "max")
+    with pytest.raises(ValueError, match=r"feats must be 2-D"):
+        mu_space.dynamic_scatter(feats[0], coors, "max")
+
+
+def test_segment_reduce_precondition_names_inconsistent_groupings():
+    feats, coors = _inputs()
+    g = voxel_group(coors)
+    assert groups_consistent(g.order, g.starts, g.counts, g.point2voxel) is None
+    bad = g.order.clone()
+    bad[[0, 1]] = bad[[1, 0]]
+    assert groups_consistent(bad, g.starts, g.counts, g.point2voxel) is not None
+    # inconsistent arrays never index out of bounds (unspecified values)
+    out = segment_reduce(feats, g.order + 10**6, g.starts, g.counts, g.point2voxel, "sum")
+    assert out.shape == (g.starts.shape[0], feats.shape[1])
+
+
+def test_dynamic_scatter_module_is_mmcvs():
+    feats, coors4 = _inputs(clouds=3, with_batch=True)
+    layer = DynamicScatter([0.5, 0.5, 0.5], [-16, -16, -3, 16, 16, 2], average_points=True)
+    got = layer(feats, coors4)
+    # mmcv's loop over the samples
+    parts = []
+    for b in range(int(coors4[-1, 0]) + 1):
+        rows = coors4[:, 0] == b
+        out, vc = mu_space.dynamic_scatter(feats[rows], coors4[rows][:, 1:], "mean")
+        parts.append((out, torch.nn.functional.pad(vc, (1, 0), value=b)))
+    assert torch.equal(got[1], torch.cat([p[1] for p in parts]))
+    assert_close(got[0], torch.cat([p[0] for p in parts]), **TOL)
+    single = DynamicScatter([0.5, 0.5, 0.5], [-16, -16, -3, 16, 16, 2], average_points=False)
+    c3 = coors4[coors4[:, 0] == 0][:, 1:]
+    f3 = feats[coors4[:, 0] == 0]
+    assert torch.equal(single(f3, c3)[0], mu_space.dynamic_scatter(f3, c3, "max")[0])
+
+
+# ---------------------------------------------------------------- native (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["centerpoint-0075-nus", "pointpillars-nus", "tiny-voxels"])
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+@pytest.mark.parametrize("channels", [5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_matches_reference(config, reduce, channels, dtype):
+    device = native_gpu_device()
+    vs, pcr, _, _ = lidar.layer_args(config)
+    pts = lidar.VOXEL_CONFIGS[config].points()
+    coors = _voxel.dynamic_rows(pts, _voxel.voxel_grid(vs, pcr))
+    g = torch.Generator().manual_seed(3)
+    feats = (pts if channels == 5 else torch.randn(pts.shape[0], channels, generator=g)).to(dtype)
+    want, want_c = mu_space.dynamic_scatter(feats, coors, reduce, backend="reference")
+    f = feats.to(device).requires_grad_(True)
+    got, got_c = mu_space.dynamic_scatter(f, coors.to(device), reduce, backend="native")
+    assert torch.equal(got_c.cpu(), want_c)
+    from mu_space.testing import tolerances
+
+    tolerances.assert_close(got.cpu(), want, op="dynamic_scatter")
+    grad = torch.randn(got.shape, generator=g).to(dtype)
+    got.backward(grad.to(device))
+    fr = feats.clone().requires_grad_(True)
+    mu_space.dynamic_scatter(fr, coors, reduce, backend="reference")[0].backward(grad)
+    tolerances.assert_close(f.grad.cpu(), fr.grad, op="dynamic_scatter", name="grad")
+    again, _ = mu_space.dynamic_scatter(
+        feats.to(device), coors.to(device), reduce, backend="native"
+    )
+    assert torch.equal(again, got.detach())  # deterministic
+
+
+@pytest.mark.gpu
+def test_native_group_handles_huge_coordinates_and_int64():
+    device = native_gpu_device()
+    coors = torch.tensor([[0, 2**30, 5], [0, 2**30, 5], [7, 0, 2**31 - 1], [-3, 0, 0]])
+    for c in (coors, coors.int()):
+        want = voxel_group(c, backend="reference")
+        got = voxel_group(c.to(device), backend="native")  # key range overflow: reference inside
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b)
+
+
+# ---------------------------------------------------------------- the CenterPoint recipe
+
+
+def _recipe():
+    import importlib.util
+    from pathlib import Path
+
+    path = (
+        Path(__file__).resolve().parents[2]
+        / "model_examples/CenterPoint/scripts/centerpoint_hot_path.py"
+    )
+    spec = importlib.util.spec_from_file_location("recipe_centerpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mode", ["hard", "dynamic"])
+def test_centerpoint_recipe_runs_on_the_cpu(mode, capsys):
+    args = ["--device", "cpu", "--small", "--warmup", "0", "--reps", "1", "--mode", mode]
+    assert _recipe().main(args) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "MISMATCH" not in out
+
+
+def test_centerpoint_recipe_detects_a_wrong_backend(monkeypatch, capsys):
+    original = mu_space.dynamic_scatter
+
+    def off(*args, backend="auto", **kwargs):
+        out, vc = original(*args, backend="reference", **kwargs)
+        return (out * (1.0 + 1e-3) if backend == "auto" else out), vc
+
+    monkeypatch.setattr(mu_space, "dynamic_scatter", off)
+    args = ["--device", "cpu", "--small", "--warmup", "0", "--reps", "1", "--mode", "dynamic"]
+    assert _recipe().main([*args, "--backend-a", "auto"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out

@@ -1,0 +1,151 @@
+"""pillar_scatter (mmdet3d PointPillarsScatter): the reference against the loop of
+`_voxel_oracle.pillars` on pillars of generated clouds (exact: a copy), gradients, duplicates
+and rows outside the canvas; the PointPillars recipe on the CPU; native (GPU) tests compare
+the kernels with the reference (exact).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mu_space
+from mu_space.ops import _voxel
+from mu_space.testing import lidar
+from tests.helpers import native_gpu_device
+from tests.ops import _voxel_oracle as oracle
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pillars(config="tiny-pillars", clouds=2, channels=16, dtype=torch.float32):
+    vs, pcr, P, V = lidar.layer_args(config)
+    grid = _voxel.voxel_grid(vs, pcr)
+    pts = lidar.batch(lidar.VOXEL_CONFIGS[config].cloud, clouds)
+    voxels, coors, num = mu_space.voxelization_batch(pts, vs, pcr, P, V)
+    feats = torch.randn(coors.shape[0], channels, generator=torch.Generator().manual_seed(4))
+    gx, gy, _ = grid.cells
+    return feats.to(dtype), coors, clouds, (gy, gx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_reference_matches_point_pillars_scatter(dtype):
+    feats, coors, B, (ny, nx) = _pillars(dtype=dtype)
+    got = mu_space.pillar_scatter(feats, coors, B, (ny, nx))
+    want, winner = oracle.pillars(feats, coors, B, ny, nx)
+    assert got.shape == (B, feats.shape[1], ny, nx) and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got.double(), want)
+    assert len(winner) == coors.shape[0]  # voxelization gives unique pillars
+    assert (got != 0).any(dim=1).sum() == coors.shape[0]
+
+
+def test_duplicates_last_wins_and_rows_outside_drop():
+    feats, coors, B, (ny, nx) = _pillars()
+    coors = coors.clone()
+    coors[1::5] = coors[::5][: coors[1::5].shape[0]]
+    coors[2::9, 2] = ny  # outside
+    coors[3::11, 0] = B  # another batch: outside
+    coors[4::13, 3] = -1
+    got = mu_space.pillar_scatter(feats, coors, B, (ny, nx))
+    want, winner = oracle.pillars(feats, coors, B, ny, nx)
+    assert torch.equal(got.double(), want)
+    f = feats.clone().requires_grad_(True)
+    out = mu_space.pillar_scatter(f, coors, B, (ny, nx))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
+    out.backward(g)
+    want_g = torch.zeros_like(feats)
+    for (b, y, x), i in winner.items():
+        want_g[i] = g[b, :, y, x]
+    assert torch.equal(f.grad, want_g)  # only the winner of a cell gets its gradient
+
+
+def test_gradcheck_float64():
+    feats, coors, B, shape = _pillars(channels=3, clouds=1)
+    feats = feats[:40].double().requires_grad_(True)
+    coors = coors[:40]
+    assert torch.autograd.gradcheck(lambda x: mu_space.pillar_scatter(x, coors, B, shape), (feats,))
+
+
+def test_padded_voxelization_rows_are_dropped():
+    vs, pcr, P, _ = lidar.layer_args("tiny-pillars")
+    pts = lidar.make("tiny")
+    voxels, coors, num, m = mu_space.voxelization_padded(pts, vs, pcr, P, 900)
+    coors4 = torch.nn.functional.pad(coors, (1, 0), value=0)
+    coors4[int(m) :, 0] = -1
+    feats = voxels.sum(1)
+    gx, gy, _ = _voxel.grid_size(vs, pcr)
+    a = mu_space.pillar_scatter(feats, coors4, 1, (gy, gx))
+    b = mu_space.pillar_scatter(feats[: int(m)], coors4[: int(m)], 1, (gy, gx))
+    assert torch.equal(a, b)
+
+
+def test_argument_errors_name_the_argument():
+    feats, coors, B, shape = _pillars()
+    with pytest.raises(ValueError, match=r"coors must be \[M, 4\]"):
+        mu_space.pillar_scatter(feats, coors[:, 1:], B, shape)
+    with pytest.raises(TypeError, match="coors must be int32 or int64"):
+        mu_space.pillar_scatter(feats, coors.float(), B, shape)
+    with pytest.raises(ValueError, match="output_shape must be 2 integers"):
+        mu_space.pillar_scatter(feats, coors, B, (1, 2, 3))
+    with pytest.raises(ValueError, match="batch_size must be in"):
+        mu_space.pillar_scatter(feats, coors, -1, shape)
+    with pytest.raises(ValueError, match="exceed the int32 range"):
+        mu_space.pillar_scatter(feats, coors, 4, (2**16, 2**16))
+
+
+def _recipe(name):
+    path = ROOT / "model_examples" / name / "scripts" / f"{name.lower()}_hot_path.py"
+    spec = importlib.util.spec_from_file_location(f"recipe_{name.lower()}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_point_pillars_recipe_runs_on_the_cpu(capsys):
+    assert (
+        _recipe("PointPillars").main(["--device", "cpu", "--small", "--warmup", "0", "--reps", "1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "PASS" in out and "speedup A over B" in out and "MISMATCH" not in out
+
+
+# ---------------------------------------------------------------- native (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config,B", [("pointpillars-kitti", 2), ("pointpillars-nus", 1), ("tiny-pillars", 3)]
+)
+@pytest.mark.parametrize("channels", [64, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_matches_reference(config, B, channels, dtype):
+    device = native_gpu_device()
+    feats, coors, B, shape = _pillars(config, B, channels, dtype)
+    want = mu_space.pillar_scatter(feats, coors, B, shape, backend="reference")
+    f = feats.to(device).requires_grad_(True)
+    got = mu_space.pillar_scatter(f, coors.to(device), B, shape, backend="native")
+    assert torch.equal(got.cpu(), want)
+    g = torch.randn(got.shape).to(dtype)
+    got.backward(g.to(device))
+    fr = feats.clone().requires_grad_(True)
+    mu_space.pillar_scatter(fr, coors, B, shape, backend="reference").backward(g)
+    assert torch.equal(f.grad.cpu(), fr.grad)
+
+
+def test_point_pillars_recipe_detects_a_wrong_backend(monkeypatch, capsys):
+    original = mu_space.pillar_scatter
+
+    def off(*args, backend="auto", **kwargs):
+        out = original(*args, backend="reference", **kwargs)
+        return out * (1.0 + 1e-3) if backend == "auto" else out
+
+    monkeypatch.setattr(mu_space, "pillar_scatter", off)
+    args = ["--device", "cpu", "--small", "--warmup", "0", "--reps", "1", "--backend-a", "auto"]
+    assert _recipe("PointPillars").main(args) == 1
+    assert "MISMATCH" in capsys.readouterr().out

@@ -1,0 +1,198 @@
+"""The voxel ops' Python native paths against the built library, without a GPU: every entry point
+call they make is handed to the real library with the tensors relabelled as cuda:0 DLPack
+tensors (scripts/native_messages.py's method), so the library's argument checks run on exactly
+the arguments the Python layer passes (order, dtypes, shapes, the Shape of sample offsets, the
+workspace size) and stop at the first runtime call ("get current device failed"). A wrong
+argument shows up as the library's TypeError / ValueError instead. Skips without a library
+that has the voxel entry points.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mu_space.ops import _opdef
+from mu_space.runtime import native
+from mu_space.testing import lidar
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from native_messages import KDL_BFLOAT, _tensor  # noqa: E402
+
+ENTRY_POINTS = (
+    "voxel_hard_forward",
+    "voxel_dynamic_forward",
+    "voxel_group_forward",
+    "segment_reduce_forward",
+    "segment_reduce_backward",
+    "pillar_scatter_forward",
+    "pillar_scatter_backward",
+)
+
+
+class _ReachedRuntime(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def library():
+    path = native.library_path()
+    if not path.is_file():
+        pytest.skip(f"no native library at {path}")
+    try:
+        import tvm_ffi
+
+        lib = tvm_ffi.load_module(str(path))
+        for name in ENTRY_POINTS:
+            lib[name]
+    except Exception as exc:  # noqa: BLE001 - an old or unloadable library: nothing to check
+        pytest.skip(f"the library cannot be used for this check: {exc}")
+    return lib
+
+
+def _as_cuda(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    a = t.detach().contiguous()
+    if a.dtype == torch.bfloat16:
+        return _tensor(a.view(torch.int16).numpy().view(np.uint16), code=KDL_BFLOAT)
+    return _tensor(a.numpy())
+
+
+@pytest.fixture
+def calls(library, monkeypatch):
+    """native.function(name) -> the library's function on relabelled tensors; records the
+    entry points that reached the runtime."""
+    reached = []
+
+    def function(name):
+        fn = library[name]
+        if name.endswith("_workspace_ints"):
+            return fn
+
+        def call(*args):
+            try:
+                fn(*(_as_cuda(a) for a in args))
+            except RuntimeError as exc:
+                if "get current device failed" in str(exc):
+                    reached.append(name)
+                    raise _ReachedRuntime(name) from None
+                raise
+            raise AssertionError(f"{name} ran without a GPU?")
+
+        return call
+
+    monkeypatch.setattr(native, "function", function)
+    for mod in ("_voxel", "dynamic_scatter", "pillar_scatter"):
+        monkeypatch.setattr(sys.modules[f"mu_space.ops.{mod}"], "stream_handle", lambda t: 0)
+    return reached
+
+
+def _native(op_name, *args, **kwargs):
+    """Run an op's native implementation (the function OpDef.native names) on CPU tensors."""
+    from mu_space.runtime import registry
+
+    op = registry.get(op_name)
+    schema = op.capture_schema_args(*args, **kwargs)
+    c = op.d.check(*schema)
+    if op.composite:
+        return op.d.native(c, *schema, backend="native")
+    return op.d.native(c, *schema)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_voxelization_entry_points_accept_the_python_arguments(calls, dtype):
+    import mu_space  # noqa: F401
+
+    vs, pcr, P, V = lidar.layer_args("tiny-voxels")
+    pts = lidar.make("tiny-3sweeps").to(dtype)
+    clouds = [pts, pts[:100]]
+    for op, args, kwargs in (
+        ("voxelization", (pts, vs, pcr, P, V, True), {}),
+        ("voxelization_padded", (pts, vs, pcr, P, V), {}),
+        (
+            "voxelization_batch",
+            (torch.cat(clouds), vs, pcr, P, V, True),
+            {"sample_sizes": [len(c) for c in clouds]},
+        ),
+        ("dynamic_voxelize", (pts, vs, pcr), {}),
+        (
+            "dynamic_voxelize_batch",
+            (torch.cat(clouds), vs, pcr),
+            {"sample_sizes": [len(c) for c in clouds]},
+        ),
+    ):
+        with pytest.raises(_ReachedRuntime):
+            _native(op, *args, **kwargs)
+    assert calls == ["voxel_hard_forward"] * 3 + ["voxel_dynamic_forward"] * 2
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+def test_scatter_entry_points_accept_the_python_arguments(calls, reduce):
+    import mu_space
+
+    ds = sys.modules["mu_space.ops.dynamic_scatter"]
+    pts, coors = ds._dynamic_coors("cpu")
+    with pytest.raises(_ReachedRuntime):
+        _native("voxel_group", coors)
+    with pytest.raises(_ReachedRuntime):
+        _native("voxel_group", coors.long())
+    g = mu_space.ops.voxel_group(coors, backend="reference")
+    args = (pts, g.order, g.starts, g.counts, g.point2voxel, reduce)
+    with pytest.raises(_ReachedRuntime):
+        _native("segment_reduce", *args)
+    op = ds.REDUCE
+    schema = op.capture_schema_args(*args)
+    c = op.d.check(*schema)
+    grad = torch.ones(g.starts.shape[0], pts.shape[1])
+    with pytest.raises(_ReachedRuntime):
+        op.d.backward.native(c, grad, *schema, needs=(True,), deterministic=False)
+    assert calls == ["voxel_group_forward"] * 2 + [
+        "segment_reduce_forward",
+        "segment_reduce_backward",
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pillar_entry_points_accept_the_python_arguments(calls, dtype):
+    ps = sys.modules["mu_space.ops.pillar_scatter"]
+    s = ps._samples(torch.device("cpu"))[0]
+    feats, coors, B, shape = s.args
+    feats = feats.to(dtype)
+    with pytest.raises(_ReachedRuntime):
+        _native("pillar_scatter", feats, coors, B, shape)
+    op = ps.OP
+    schema = op.capture_schema_args(feats, coors, B, shape)
+    c = op.d.check(*schema)
+    grad = torch.ones(B, feats.shape[1], *shape, dtype=dtype)
+    with pytest.raises(_ReachedRuntime):
+        op.d.backward.native(c, grad, *schema, needs=(True,), deterministic=False)
+    assert calls == ["pillar_scatter_forward", "pillar_scatter_backward"]
+
+
+def test_new_outputs_are_what_the_kernels_fill(calls, monkeypatch):
+    """The outputs the native paths allocate are new_output's (poisoned in the GPU tests)."""
+    seen = []
+    real = _opdef.new_output
+
+    def spy(like, shape=None, dtype=None):
+        t = real(like, shape, dtype)
+        seen.append((tuple(t.shape), t.dtype))
+        return t
+
+    monkeypatch.setattr(_opdef, "new_output", spy)
+    vs, pcr, P, V = lidar.layer_args("tiny-voxels")
+    pts = lidar.make("tiny-3sweeps")
+    with pytest.raises(_ReachedRuntime):
+        _native("voxelization", pts, vs, pcr, P, V, True)
+    rows = min(pts.shape[0], V)
+    assert seen == [
+        ((rows, P, 5), torch.float32),
+        ((rows, 3), torch.int32),
+        ((rows,), torch.int32),
+        ((2,), torch.int64),
+    ]

@@ -1,0 +1,479 @@
+"""Hard and dynamic voxelization (mmcv API), the batched and padded forms, mmcv's Voxelization
+module, spconv's PointToVoxel adapter and the LiDAR generator they are tested on.
+
+The reference paths are compared with `_voxel_oracle` (mmcv's rules as Python loops, numpy
+float32 arithmetic) on clouds of the synthetic LiDAR (real sensor structure: rings, ground,
+objects, multi-sweep), exactly: voxelization copies values, so there is no tolerance. The
+native (GPU) tests compare the kernels with the reference, also exactly; they skip without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+import mu_space
+from mu_space.ops import _voxel
+from mu_space.ops.voxel_layers import PointToVoxel, Voxelization
+from mu_space.testing import lidar
+from tests.helpers import native_gpu_device
+from tests.ops import _voxel_model as model
+from tests.ops import _voxel_oracle as oracle
+
+vox = sys.modules["mu_space.ops.voxelization"]
+
+
+def _tiny(config="tiny-voxels"):
+    vs, pcr, P, V = lidar.layer_args(config)
+    return lidar.VOXEL_CONFIGS[config].points(), vs, pcr, P, V
+
+
+def _equal(got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (i, g.shape, w.shape, g.dtype, w.dtype)
+        assert torch.equal(g.cpu(), w.cpu()), f"output {i} differs"
+
+
+# ---------------------------------------------------------------- the generator
+
+
+def test_generator_is_clustered_like_a_real_sweep():
+    pts = lidar.make("nus-1sweep")
+    assert 30_000 < pts.shape[0] < 38_000 and pts.shape[1] == 5  # ~34k points a sweep
+    r = pts[:, :2].norm(dim=1)
+    assert (r < 10).float().mean() > 0.4  # most points near the sensor
+    ground = (pts[:, 2] < -1.6).float().mean()
+    assert ground > 0.5  # and on the ground
+    assert torch.equal(pts, lidar.make("nus-1sweep"))  # deterministic (cached)
+    assert not torch.equal(lidar.make("nus-1sweep", seed=1), pts)
+
+
+def test_generator_sweeps_and_64_beam_frames():
+    multi = lidar.make("tiny-3sweeps")
+    lags = multi[:, 4].unique()
+    assert lags.tolist() == pytest.approx([0.0, 0.05, 0.1])
+    assert float(multi[0, 4]) == 0.0  # the current sweep first
+    kitti = lidar.make("kitti")
+    assert 110_000 < kitti.shape[0] < 130_000 and kitti.shape[1] == 4  # one 64-beam frame
+    small = lidar.make(lidar.sweep_config(10_000))
+    assert 7_000 < small.shape[0] < 13_000
+
+
+@pytest.mark.gpu
+def test_generator_benchmark_configs_have_the_issue_sizes():
+    """(Generating ~0.9 M points takes seconds: left to the GPU session's full suite.)"""
+    native_gpu_device()
+    nus = lidar.make("nus-10sweeps")
+    assert 250_000 < nus.shape[0] < 350_000 and nus[:, 4].unique().numel() == 10
+    assert 160_000 < lidar.make("waymo").shape[0] < 200_000
+
+
+def test_generator_clouds_occupy_few_voxels_unevenly():
+    pts = lidar.make("nus-1sweep")
+    vs, pcr, _, _ = lidar.layer_args("centerpoint-0075-nus")
+    grid = _voxel.voxel_grid(vs, pcr)
+    cells = _voxel.linear_cells(pts, grid)
+    _, counts = torch.unique(cells[cells >= 0], return_counts=True)
+    assert counts.numel() < 0.001 * grid.n_cells  # sparse occupancy
+    assert counts.max() >= 5 * counts.float().mean()  # clustered, not uniform noise
+
+
+# ---------------------------------------------------------------- grid and coordinates
+
+
+def test_grid_is_mmcv_float32_round_half_away():
+    assert _voxel.grid_size([0.16, 0.16, 4], [0, -39.68, -3, 69.12, 39.68, 1]) == (432, 496, 1)
+    assert _voxel.grid_size([0.075, 0.075, 0.2], [-54, -54, -5, 54, 54, 3]) == (1440, 1440, 40)
+    # 0.5 cells: C round gives 1 where torch.round (half to even) gives 0
+    assert _voxel.grid_size([1.0, 1.0, 2.0], [0, 0, 0, 1.5, 2.5, 1.0]) == (2, 3, 1)
+    for vs, r in (
+        ([0.16, 0.16, 4], [0, -39.68, -3, 69.12, 39.68, 1]),
+        ([0.3, 0.7, 0.1], [-1, -2, -3, 4.45, 5.05, 0.15]),
+    ):
+        assert _voxel.grid_size(vs, r) == oracle.mmcv_grid(vs, r)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_dynamic_reference_matches_mmcv_rows(dtype):
+    pts, vs, pcr, _, _ = _tiny()
+    pts = pts.to(dtype)
+    got = mu_space.dynamic_voxelize(pts, vs, pcr)
+    assert got.dtype == torch.int32 and got.shape == (pts.shape[0], 3)
+    assert torch.equal(got, oracle.mmcv_dynamic(pts, vs, pcr))
+    assert (got[:, 0] == -1).sum() > 100  # the cloud reaches beyond the range
+    assert torch.equal(mu_space.voxelization(pts, vs, pcr, -1, 20000), got)  # mmcv's -1 switch
+    assert torch.equal(mu_space.voxelization(pts, vs, pcr, 5, -1), got)
+
+
+def test_dynamic_rows_of_dropped_points_follow_mmcv_pattern():
+    vs, pcr = [1.0, 1.0, 1.0], [0, 0, 0, 4, 4, 4]
+    p = torch.tensor(
+        [[0.5, 0.5, 0.5], [-0.5, 1.0, 1.0], [1.0, 9.0, 1.0], [1.0, 1.0, 4.0], [3.99, 3.99, 3.99],
+         [float("nan"), 1, 1], [1, float("inf"), 1], [1, 1, -float("inf")], [4.0, 1, 1]]
+    )  # fmt: skip
+    want = [[0, 0, 0], [-1, 0, 0], [-1, -1, 0], [-1, -1, -1], [3, 3, 3], [-1, 0, 0],
+            [-1, -1, 0], [-1, -1, -1], [-1, 0, 0]]  # fmt: skip
+    assert mu_space.dynamic_voxelize(p, vs, pcr).tolist() == want
+
+
+def test_coordinate_is_computed_in_float32_like_mmcv():
+    # 0.3 / 0.1 is 2.9999998 in float32 arithmetic on these operands, 3.0000000000000004 in
+    # float64: mmcv (and muSPACE) put the point in cell 2
+    vs, pcr = [0.1, 1.0, 1.0], [0.0, 0, 0, 1, 1, 1]
+    q = (torch.tensor(0.3, dtype=torch.float32) - 0.0) / torch.tensor(0.1, dtype=torch.float32)
+    p = torch.tensor([[0.3, 0.5, 0.5]])
+    want = oracle.mmcv_dynamic(p, vs, pcr)
+    assert mu_space.dynamic_voxelize(p, vs, pcr).tolist() == want.tolist()
+    assert want[0, 2] == math.floor(float(q))
+
+
+# ---------------------------------------------------------------- hard voxelization
+
+
+@pytest.mark.parametrize(
+    "config,P,V",
+    [
+        ("tiny-voxels", 5, 1500),
+        ("tiny-voxels", 2, 200),
+        ("tiny-pillars", 8, 400),
+        ("tiny-pillars", 1, 50),
+    ],
+)
+def test_hard_reference_equals_mmcv_deterministic(config, P, V):
+    pts, vs, pcr, _, _ = _tiny(config)
+    got = mu_space.voxelization(pts, vs, pcr, P, V)
+    want = oracle.mmcv_hard(pts, vs, pcr, P, V)
+    _equal(got, want)
+    voxels, coors, num = got
+    assert coors.shape[0] <= V and (num >= 1).all() and (num <= P).all()
+    assert (num == P).any()  # some voxels are full: points were dropped by max_points
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_hard_reference_other_dtypes(dtype):
+    pts, vs, pcr, P, V = _tiny()
+    pts = pts.to(dtype)
+    got = mu_space.voxelization(pts, vs, pcr, P, V)
+    _equal(got, oracle.mmcv_hard(pts, vs, pcr, P, V))
+    assert got[0].dtype == dtype
+
+
+def test_hard_voxelization_of_a_multi_sweep_frame_is_consistent():
+    """The vectorised reference at the size of a real frame (~33k points, 1 nuScenes sweep):
+    every voxel's points are the first points of its cell, in input order."""
+    pts = lidar.make("nus-1sweep")
+    vs, pcr, P, V = lidar.layer_args("centerpoint-0075-nus")
+    voxels, coors, num = mu_space.voxelization(pts, vs, pcr, P, 8000)
+    assert voxels.shape == (8000, P, 5)  # more occupied voxels than max_voxels
+    rows = oracle.mmcv_dynamic(pts[:50000], vs, pcr)
+    key = {tuple(r): i for i, r in enumerate(coors.tolist())}
+    seen = [0] * coors.shape[0]
+    first_seen = []
+    for i, r in enumerate(rows.tolist()):
+        v = key.get(tuple(r))
+        if r[0] < 0:
+            continue
+        if v is None:
+            continue
+        if seen[v] == 0:
+            first_seen.append(v)
+        if seen[v] < num[v]:
+            assert torch.equal(voxels[v, seen[v]], pts[i])
+        seen[v] += 1
+    assert first_seen == sorted(first_seen)  # voxels in first-occurrence order
+    assert all(min(s, P) == int(n) for s, n in zip(seen, num))
+
+
+def test_deterministic_flag_changes_nothing():
+    pts, vs, pcr, P, V = _tiny()
+    _equal(
+        mu_space.voxelization(pts, vs, pcr, P, V, False), mu_space.voxelization(pts, vs, pcr, P, V)
+    )
+
+
+@pytest.mark.parametrize("P,V", [(0, 100), (5, 0)])
+def test_zero_limits_give_empty_results(P, V):
+    pts, vs, pcr, _, _ = _tiny()
+    voxels, coors, num = mu_space.voxelization(pts, vs, pcr, P, V)
+    assert voxels.shape == (0, P, pts.shape[1]) and coors.shape == (0, 3) and num.shape == (0,)
+
+
+def test_safety_empty_out_of_range_and_non_finite_points():
+    pts, vs, pcr, P, V = _tiny()
+    voxels, coors, num = mu_space.voxelization(pts[:0], vs, pcr, P, V)
+    assert voxels.shape == (0, P, 5) and coors.dtype == torch.int32
+    far = pts.clone()
+    far[:, 0] += 1000.0
+    assert mu_space.voxelization(far, vs, pcr, P, V)[0].shape[0] == 0
+    bad = pts.clone()
+    bad[::3, 0] = float("nan")
+    bad[1::3, 1] = float("inf")
+    bad[2::7, 2] = -float("inf")
+    got = mu_space.voxelization(bad, vs, pcr, P, V)
+    _equal(got, oracle.mmcv_hard(bad, vs, pcr, P, V))
+    assert torch.isfinite(got[0]).all()  # no NaN point reached a voxel
+
+
+def test_points_on_the_grid_boundaries():
+    vs, pcr = [0.5, 0.5, 1.0], [-1.0, -1.0, -1.0, 1.0, 1.0, 1.0]
+    p = torch.tensor([[-1.0, -1.0, -1.0, 1], [1.0, 0, 0, 2], [0.9999999, 0.9999999, 0.9999999, 3],
+                      [-1.0000001, 0, 0, 4], [0, 0, 0, 5], [-0.5, -0.5, 0, 6]])  # fmt: skip
+    voxels, coors, num = mu_space.voxelization(p, vs, pcr, 4, 10)
+    assert coors.tolist() == [[0, 0, 0], [1, 3, 3], [1, 2, 2], [1, 1, 1]]
+    assert voxels[:, 0, 3].tolist() == [1, 3, 5, 6]
+
+
+def test_argument_errors_name_the_argument():
+    pts, vs, pcr, P, V = _tiny()
+    cases = [
+        (TypeError, "points must be a torch.Tensor", (pts.tolist(), vs, pcr, P, V)),
+        (
+            TypeError,
+            "points must be float32, float16, bfloat16 or float64, got int32",
+            (pts.int(), vs, pcr, P, V),
+        ),
+        (ValueError, r"points must be \[N, C\] with C >= 3", (pts[:, :2], vs, pcr, P, V)),
+        (ValueError, "voxel_size must have 3 values", (pts, vs[:2], pcr, P, V)),
+        (ValueError, "voxel_size must be 3 positive finite", (pts, [0.5, 0, 0.5], pcr, P, V)),
+        (ValueError, "voxel_size must be 3 positive finite", (pts, [0.5, -1, 0.5], pcr, P, V)),
+        (ValueError, "voxel_size must be 3 positive finite", (pts, [0.5, 1e-50, 0.5], pcr, P, V)),
+        (TypeError, "voxel_size must be 3 numbers", (pts, "abc", pcr, P, V)),
+        (ValueError, "coors_range must have 6 values", (pts, vs, pcr[:5], P, V)),
+        (
+            ValueError,
+            "coors_range: y_max .* must be greater than y_min",
+            (pts, vs, [0, 5, 0, 1, 5, 1], P, V),
+        ),
+        (ValueError, "coors_range must be finite", (pts, vs, [0, 0, 0, 1, float("inf"), 1], P, V)),
+        (ValueError, "less than half a voxel", (pts, [1.0, 1, 1], [0, 0, 0, 0.2, 1, 1], P, V)),
+        (ValueError, "max_points must be in", (pts, vs, pcr, -2, V)),
+        (ValueError, "max_voxels must be in", (pts, vs, pcr, P, -5)),
+        (TypeError, "max_points must be an integer", (pts, vs, pcr, 2.5, V)),
+        (ValueError, "max_voxels must be in", (pts, vs, pcr, P, 2**40)),
+    ]
+    for exc, pattern, args in cases:
+        with pytest.raises(exc, match=pattern):
+            mu_space.voxelization(*args)
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
+        mu_space.voxelization(pts, vs, pcr, P, V, None)
+    with pytest.raises(ValueError, match="exceed the int32 range"):
+        mu_space.voxelization(pts, [1e-8, 1, 1], [0, 0, 0, 100, 1, 1], P, V)
+
+
+# ---------------------------------------------------------------- batched and padded forms
+
+
+def test_batch_equals_the_det3d_data_preprocessor_loop():
+    vs, pcr, P, V = lidar.layer_args("tiny-voxels")
+    clouds = lidar.batch("tiny-3sweeps", 3)
+    voxels, coors, num = mu_space.voxelization_batch(clouds, vs, pcr, P, 700)
+    parts = [mu_space.voxelization(c, vs, pcr, P, 700) for c in clouds]
+    want_coors = torch.cat(
+        [torch.nn.functional.pad(p[1], (1, 0), value=i) for i, p in enumerate(parts)]
+    )
+    _equal(
+        (voxels, coors, num),
+        (torch.cat([p[0] for p in parts]), want_coors, torch.cat([p[2] for p in parts])),
+    )
+    assert all(p[0].shape[0] == 700 for p in parts)  # every sample capped separately
+    # the tensor + sample_sizes form, with an empty sample in the middle
+    pts = torch.cat([clouds[0], clouds[1]])
+    got = mu_space.voxelization_batch(
+        pts, vs, pcr, P, 700, sample_sizes=[clouds[0].shape[0], 0, clouds[1].shape[0]]
+    )
+    assert got[1][:, 0].unique().tolist() == [0, 2]
+    dyn = mu_space.voxelization_batch(clouds, vs, pcr, -1, 700)
+    assert torch.equal(dyn, mu_space.dynamic_voxelize_batch(clouds, vs, pcr))
+    want = torch.cat(
+        [
+            torch.nn.functional.pad(mu_space.dynamic_voxelize(c, vs, pcr), (1, 0), value=i)
+            for i, c in enumerate(clouds)
+        ]
+    )
+    assert torch.equal(dyn, want)
+
+
+def test_batch_argument_errors():
+    vs, pcr, P, V = lidar.layer_args("tiny-voxels")
+    clouds = lidar.batch("tiny-3sweeps", 2)
+    with pytest.raises(ValueError, match=r"points\[1\] must have the features and dtype"):
+        mu_space.voxelization_batch([clouds[0], clouds[1][:, :4]], vs, pcr, P, V)
+    with pytest.raises(TypeError, match="points must be a list"):
+        mu_space.voxelization_batch(clouds[0], vs, pcr, P, V)
+    with pytest.raises(ValueError, match="sample_sizes must sum to the .* points"):
+        mu_space.voxelization_batch(clouds[0], vs, pcr, P, V, sample_sizes=[5, 6])
+
+
+def test_padded_form_is_voxelization_plus_padding():
+    pts, vs, pcr, P, V = _tiny()
+    voxels, coors, num, count = mu_space.voxelization_padded(pts, vs, pcr, P, 4000)
+    m = int(count)
+    assert count.dtype == torch.int64 and count.dim() == 0
+    _equal((voxels[:m], coors[:m], num[:m]), mu_space.voxelization(pts, vs, pcr, P, 4000))
+    assert voxels.shape == (4000, P, 5) and not voxels[m:].any()
+    assert (coors[m:] == -1).all() and not num[m:].any()
+
+
+# ---------------------------------------------------------------- modules and adapters
+
+
+def test_voxelization_module_is_mmcvs():
+    vs, pcr, P, _ = lidar.layer_args("tiny-pillars")
+    layer = Voxelization(vs, pcr, P, (300, 500))
+    assert layer.grid_size.tolist() == list(_voxel.grid_size(vs, pcr))
+    assert layer.pcd_shape[0] == 1 and int(layer.pcd_shape[1]) == layer.grid_size[1]
+    pts = lidar.make("tiny")
+    layer.train()
+    assert layer(pts)[0].shape[0] <= 300
+    layer.eval()
+    _equal(layer(pts), mu_space.voxelization(pts, vs, pcr, P, 500))
+    assert "max_voxels=(300, 500)" in repr(layer)
+
+
+def test_point_to_voxel_follows_spconv():
+    pts, vs, pcr, P, V = _tiny()
+    gen = PointToVoxel(
+        vs, pcr, num_point_features=5, max_num_voxels=600, max_num_points_per_voxel=P
+    )
+    assert gen.grid_size == list(reversed(_voxel.grid_size(vs, pcr)))  # (z, y, x) like spconv
+    voxels, indices, num, ids = gen.generate_voxel_with_id(pts)
+    _equal((voxels, indices, num), mu_space.voxelization(pts, vs, pcr, P, 600))
+    rows = oracle.mmcv_dynamic(pts, vs, pcr)
+    where = {tuple(r): i for i, r in enumerate(indices.tolist())}
+    want_ids = [where.get(tuple(r), -1) if r[0] >= 0 else -1 for r in rows.tolist()]
+    assert ids.dtype == torch.int64 and ids.tolist() == want_ids
+    mean_filled = gen(pts, empty_mean=True)[0]
+    for v in range(0, voxels.shape[0], 37):
+        k = int(num[v])
+        if k < P:
+            assert torch.allclose(mean_filled[v, k:], voxels[v, :k].mean(0).expand(P - k, -1))
+    with pytest.raises(ValueError, match="pc must have num_point_features = 5"):
+        gen(pts[:, :4])
+
+
+# ---------------------------------------------------------------- the kernels' algorithm
+
+
+@pytest.mark.parametrize("tile,digit_bits", [(1024, 11), (64, 3), (16, 1)])
+@pytest.mark.parametrize("config,P,V", [("tiny-voxels", 5, 1500), ("tiny-pillars", 3, 150)])
+def test_kernel_model_hard(config, P, V, tile, digit_bits):
+    """_voxel_model mirrors the native pipeline (keys, radix passes by tiles, runs, first-point
+    scan, per-sample counts, rows, emit); small tiles and digits take every path."""
+    vs, pcr, _, _ = lidar.layer_args(config)
+    clouds = lidar.batch(lidar.VOXEL_CONFIGS[config].cloud, 2)
+    pts = torch.cat(clouds)
+    sizes = [c.shape[0] for c in clouds]
+    grid = _voxel.voxel_grid(vs, pcr)
+    want = _voxel.hard_voxelize_reference(pts, grid, P, V, sizes)
+    got = model.hard_voxelize(pts, grid, P, V, sizes, tile=tile, digit_bits=digit_bits)
+    _equal(got[:3], want[:3])
+    single = model.hard_voxelize(
+        clouds[0], grid, P, V, None, tile=tile, digit_bits=digit_bits, padded_rows=V + 7
+    )
+    m = int(single[3])
+    _equal([t[:m] for t in single[:3]], mu_space.voxelization(clouds[0], vs, pcr, P, V))
+    assert (single[1][m:] == -1).all() and not single[0][m:].any() and not single[2][m:].any()
+
+
+def test_kernel_model_radix_sort_is_stable():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 5000, (3000,), generator=g)
+    keys[::5] = 4999  # many equal keys
+    for tile, bits in ((1024, 11), (37, 4), (8, 2)):
+        k, idx = model.radix_sort(keys.numpy(), 13, tile=tile, digit_bits=bits)
+        order = torch.sort(keys, stable=True).indices.numpy()
+        assert (idx == order).all() and (k == keys.numpy()[order]).all()
+
+
+# ---------------------------------------------------------------- native (GPU)
+
+
+def _gpu_cases():
+    return [
+        ("pointpillars-kitti", None),
+        ("pointpillars-nus", None),
+        ("centerpoint-0075-nus", None),
+        ("centerpoint-waymo", None),
+        ("centerpoint-0075-nus", 20000),
+        ("tiny-voxels", 37),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config,V", _gpu_cases())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_hard_equals_reference(config, V, dtype):
+    device = native_gpu_device()
+    vs, pcr, P, V0 = lidar.layer_args(config)
+    pts = lidar.VOXEL_CONFIGS[config].points().to(dtype)
+    V = V or V0
+    want = mu_space.voxelization(pts, vs, pcr, P, V, backend="reference")
+    got = mu_space.voxelization(pts.to(device), vs, pcr, P, V, backend="native")
+    _equal(got, want)
+    again = mu_space.voxelization(pts.to(device), vs, pcr, P, V, False, backend="native")
+    _equal(again, got)  # deterministic=False: the same bits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["pointpillars-kitti", "centerpoint-0075-nus", "tiny-voxels"])
+def test_native_dynamic_batch_and_padded_equal_reference(config):
+    device = native_gpu_device()
+    vs, pcr, P, V = lidar.layer_args(config)
+    clouds = lidar.batch(lidar.VOXEL_CONFIGS[config].cloud, 3)
+    gpu = [c.to(device) for c in clouds]
+    assert torch.equal(
+        mu_space.dynamic_voxelize(gpu[0], vs, pcr, backend="native").cpu(),
+        mu_space.dynamic_voxelize(clouds[0], vs, pcr, backend="reference"),
+    )
+    _equal(
+        mu_space.voxelization_batch(gpu, vs, pcr, P, V, backend="native"),
+        mu_space.voxelization_batch(clouds, vs, pcr, P, V, backend="reference"),
+    )
+    assert torch.equal(
+        mu_space.dynamic_voxelize_batch(gpu, vs, pcr, backend="native").cpu(),
+        mu_space.dynamic_voxelize_batch(clouds, vs, pcr, backend="reference"),
+    )
+    _equal(
+        mu_space.voxelization_padded(gpu[1], vs, pcr, P, V, backend="native"),
+        mu_space.voxelization_padded(clouds[1], vs, pcr, P, V, backend="reference"),
+    )
+
+
+@pytest.mark.gpu
+def test_native_safety_cases():
+    device = native_gpu_device()
+    pts, vs, pcr, P, V = _tiny()
+    bad = pts.clone()
+    bad[::3, 0] = float("nan")
+    bad[1::3, 1] = float("inf")
+    for case in (bad, pts[:1], pts + 1000.0, pts.repeat(30, 1)):  # repeat: long runs
+        _equal(
+            mu_space.voxelization(case.to(device), vs, pcr, P, V, backend="native"),
+            mu_space.voxelization(case, vs, pcr, P, V, backend="reference"),
+        )
+    one_voxel = torch.zeros(70000, 5)  # every point in one voxel
+    _equal(
+        mu_space.voxelization(one_voxel.to(device), vs, pcr, 64, V, backend="native"),
+        mu_space.voxelization(one_voxel, vs, pcr, 64, V, backend="reference"),
+    )
+
+
+@pytest.mark.gpu
+def test_native_padded_is_cuda_graph_capturable():
+    device = native_gpu_device()
+    vs, pcr, P, V = lidar.layer_args("pointpillars-kitti")
+    pts = lidar.VOXEL_CONFIGS["pointpillars-kitti"].points().to(device)
+    static = pts.clone()
+    mu_space.voxelization_padded(static, vs, pcr, P, V, backend="cuda")  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mu_space.voxelization_padded(static, vs, pcr, P, V, backend="cuda")
+    other = lidar.make("kitti", seed=3).to(device)
+    static.copy_(other[: static.shape[0]] if other.shape[0] >= static.shape[0] else static)
+    graph.replay()
+    torch.cuda.synchronize()
+    _equal(out, mu_space.voxelization_padded(static.cpu(), vs, pcr, P, V, backend="reference"))
