@@ -2,10 +2,13 @@
 
 The stand-ins sit at the upstream dotted paths (mmcv.ops.multi_scale_deform_attn,
 mmdet3d.ops.bev_pool_v2.bev_pool, mmdet3d.models.necks.view_transformer,
-mmdet3d.ops.bev_pool.bev_pool and their re-exports) with the upstream signatures. Their bodies are
-small vectorised implementations of the documented upstream semantics written for these tests
-(the MSDA stand-ins use mu_space's reference, a grid_sample implementation of mmcv's rule).
-Every module goes into sys.modules through monkeypatch, so nothing leaks between tests.
+mmdet3d.ops.bev_pool.bev_pool, mmcv.ops.voxelize, mmcv.ops.scatter_points, mmcv._ext,
+mmdet3d.models.middle_encoders.pillar_scatter and their re-exports) with the upstream
+signatures. Their bodies are small vectorised implementations of the documented upstream
+semantics written for these tests (the MSDA stand-ins use mu_space's reference, a grid_sample
+implementation of mmcv's rule; the voxel stand-ins use tests/ops/_voxel_oracle, mmcv's rules as
+Python loops). Every module goes into sys.modules through monkeypatch, so nothing leaks between
+tests.
 """
 
 from __future__ import annotations
@@ -23,16 +26,28 @@ from mu_space.ops.multi_scale_deformable_attn import (
 )
 from mu_space.patcher import default_patcher, default_patches
 from mu_space.runtime.kernel_dispatch import BACKENDS
-from mu_space.testing import bev_geometry, bev_pool_inputs, msda_inputs
+from mu_space.testing import bev_geometry, bev_pool_inputs, lidar, msda_inputs
 from tests.helpers import assert_close, native_gpu_device
+from tests.ops import _voxel_oracle as oracle
 
+VOXEL_PATCHES = {
+    "mmcv.voxelization",
+    "mmcv.Voxelization",
+    "mmcv.dynamic_scatter",
+    "mmcv.DynamicScatter",
+    "mmcv._ext.hard_voxelize_forward",
+    "mmcv._ext.dynamic_voxelize_forward",
+    "mmcv._ext.dynamic_point_to_voxel_forward",
+    "mmcv._ext.dynamic_point_to_voxel_backward",
+    "mmdet3d.PointPillarsScatter",
+}
 ALL = {
     "mmcv.MultiScaleDeformableAttnFunction",
     "mmcv.multi_scale_deformable_attn_pytorch",
     "bevdet.bev_pool_v2",
     "bevdet.voxel_pooling_prepare_v2",
     "bevfusion.bev_pool",
-}
+} | VOXEL_PATCHES
 ON_BY_DEFAULT = ALL - {"mmcv.multi_scale_deformable_attn_pytorch"}
 
 # Patched vs stand-in on the CPU: both sides are float32 sums of the same products in another
@@ -236,12 +251,233 @@ def _install_bevfusion(monkeypatch):
     )
 
 
+def _module(monkeypatch, name: str, *, fresh: bool = True) -> types.ModuleType:
+    """A new stand-in module `name` linked to its parent; the parents are the modules already
+    registered (an earlier installer's stand-ins), else new ones."""
+    mod = None if fresh else sys.modules.get(name)
+    if mod is None:
+        mod = types.ModuleType(name)
+        monkeypatch.setitem(sys.modules, name, mod)
+    parent, _, leaf = name.rpartition(".")
+    if parent:
+        monkeypatch.setattr(_module(monkeypatch, parent, fresh=False), leaf, mod, raising=False)
+    return mod
+
+
+def _install_mmcv_voxel(monkeypatch):
+    """mmcv 2.x's voxelize.py, scatter_points.py and the four `_ext` functions (Python
+    functions with the pybind argument names), as the upstream modules wire them: the autograd
+    Functions call `ext_module.<function>` at call time."""
+    ext = _module(monkeypatch, "mmcv._ext")
+    voxelize = _module(monkeypatch, "mmcv.ops.voxelize")
+    scatter = _module(monkeypatch, "mmcv.ops.scatter_points")
+    ops = _module(monkeypatch, "mmcv.ops", fresh=False)
+
+    def hard_voxelize_forward(
+        points, voxel_size, coors_range, voxels, coors, num_points_per_voxel, voxel_num,
+        max_points, max_voxels, NDim=3, deterministic=True,
+    ):  # fmt: skip
+        v, c, k = oracle.mmcv_hard(
+            points, voxel_size.tolist(), coors_range.tolist(), max_points, max_voxels
+        )
+        m = v.shape[0]
+        voxels[:m], coors[:m], num_points_per_voxel[:m] = v, c, k
+        voxel_num.fill_(m)
+
+    def dynamic_voxelize_forward(points, voxel_size, coors_range, coors, NDim=3):
+        coors.copy_(oracle.mmcv_dynamic(points, voxel_size.tolist(), coors_range.tolist()))
+
+    def dynamic_point_to_voxel_forward(feats, coors, reduce_type):
+        out, vc, members = oracle.mmcv_scatter(feats, coors, reduce_type)
+        p2v = torch.full((feats.shape[0],), -1, dtype=torch.int32)
+        for v, pts in enumerate(members):
+            p2v[pts] = v
+        counts = torch.tensor([len(m) for m in members], dtype=torch.int32)
+        return [out.to(feats.dtype), vc, p2v, counts]
+
+    def dynamic_point_to_voxel_backward(
+        grad_feats, grad_reduced_feats, feats, reduced_feats, coors_idx, reduce_count, reduce_type
+    ):
+        members = [[] for _ in range(reduced_feats.shape[0])]
+        for i, v in enumerate(coors_idx.tolist()):
+            if v >= 0:
+                members[v].append(i)
+        g = oracle.mmcv_scatter_grad(
+            feats, reduce_type, reduced_feats.double(), members, grad_reduced_feats
+        )
+        grad_feats.copy_(g)
+
+    for fn in (hard_voxelize_forward, dynamic_voxelize_forward, dynamic_point_to_voxel_forward,
+               dynamic_point_to_voxel_backward):  # fmt: skip
+        setattr(ext, fn.__name__, fn)
+
+    class _Voxelization(torch.autograd.Function):
+        @staticmethod
+        def forward(
+            ctx,
+            points,
+            voxel_size,
+            coors_range,
+            max_points=35,
+            max_voxels=20000,
+            deterministic=True,
+        ):
+            vs, cr = (
+                torch.tensor(voxel_size, dtype=torch.float),
+                torch.tensor(coors_range, dtype=torch.float),
+            )
+            if max_points == -1 or max_voxels == -1:
+                coors = points.new_zeros(size=(points.size(0), 3), dtype=torch.int)
+                sys.modules["mmcv._ext"].dynamic_voxelize_forward(points, vs, cr, coors, NDim=3)
+                return coors
+            voxels = points.new_zeros(size=(max_voxels, max_points, points.size(1)))
+            coors = points.new_zeros(size=(max_voxels, 3), dtype=torch.int)
+            num = points.new_zeros(size=(max_voxels,), dtype=torch.int)
+            voxel_num = torch.zeros(size=(), dtype=torch.long)
+            sys.modules["mmcv._ext"].hard_voxelize_forward(
+                points, vs, cr, voxels, coors, num, voxel_num, max_points=max_points,
+                max_voxels=max_voxels, NDim=3, deterministic=deterministic,
+            )  # fmt: skip
+            return voxels[:voxel_num], coors[:voxel_num], num[:voxel_num]
+
+    class Voxelization(torch.nn.Module):
+        def __init__(
+            self,
+            voxel_size,
+            point_cloud_range,
+            max_num_points,
+            max_voxels=20000,
+            deterministic=True,
+        ):
+            super().__init__()
+            self.voxel_size, self.point_cloud_range = voxel_size, point_cloud_range
+            self.max_num_points, self.deterministic = max_num_points, deterministic
+            self.max_voxels = (
+                max_voxels if isinstance(max_voxels, tuple) else (max_voxels, max_voxels)
+            )
+
+        def forward(self, input):
+            mv = self.max_voxels[0] if self.training else self.max_voxels[1]
+            return voxelize.voxelization(
+                input,
+                self.voxel_size,
+                self.point_cloud_range,
+                self.max_num_points,
+                mv,
+                self.deterministic,
+            )
+
+    class _DynamicScatter(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, feats, coors, reduce_type="max"):
+            out, vc, p2v, counts = sys.modules["mmcv._ext"].dynamic_point_to_voxel_forward(
+                feats, coors, reduce_type
+            )
+            ctx.reduce_type = reduce_type
+            ctx.save_for_backward(feats, out, p2v, counts)
+            ctx.mark_non_differentiable(vc)
+            return out, vc
+
+        @staticmethod
+        def backward(ctx, grad_voxel_feats, grad_voxel_coors=None):
+            feats, out, p2v, counts = ctx.saved_tensors
+            grad = torch.zeros_like(feats)
+            sys.modules["mmcv._ext"].dynamic_point_to_voxel_backward(
+                grad, grad_voxel_feats.contiguous(), feats, out, p2v, counts, ctx.reduce_type
+            )
+            return grad, None, None
+
+    class DynamicScatter(torch.nn.Module):
+        def __init__(self, voxel_size, point_cloud_range, average_points):
+            super().__init__()
+            self.voxel_size, self.point_cloud_range = voxel_size, point_cloud_range
+            self.average_points = average_points
+
+        def forward_single(self, points, coors):
+            reduce = "mean" if self.average_points else "max"
+            return scatter.dynamic_scatter(points.contiguous(), coors.contiguous(), reduce)
+
+        def forward(self, points, coors):
+            if coors.size(-1) == 3:
+                return self.forward_single(points, coors)
+            voxels, voxel_coors = [], []
+            for i in range(int(coors[-1, 0]) + 1):
+                inds = torch.where(coors[:, 0] == i)
+                voxel, voxel_coor = self.forward_single(points[inds], coors[inds][:, 1:])
+                voxel_coors.append(torch.nn.functional.pad(voxel_coor, (1, 0), value=i))
+                voxels.append(voxel)
+            return torch.cat(voxels, dim=0), torch.cat(voxel_coors, dim=0)
+
+    voxelize._Voxelization, voxelize.voxelization = _Voxelization, _Voxelization.apply
+    voxelize.Voxelization = Voxelization
+    scatter._DynamicScatter, scatter.dynamic_scatter = _DynamicScatter, _DynamicScatter.apply
+    scatter.DynamicScatter = DynamicScatter
+    for name, value in (("voxelization", voxelize.voxelization), ("Voxelization", Voxelization),
+                        ("dynamic_scatter", scatter.dynamic_scatter), ("DynamicScatter", DynamicScatter)):  # fmt: skip
+        monkeypatch.setattr(ops, name, value, raising=False)
+    return types.SimpleNamespace(
+        ext=ext,
+        voxelize=voxelize,
+        scatter=scatter,
+        ops=ops,
+        voxelization=voxelize.voxelization,
+        Voxelization=Voxelization,
+        dynamic_scatter=scatter.dynamic_scatter,
+        DynamicScatter=DynamicScatter,
+        ext_functions={n: getattr(ext, n) for n in dir(ext) if not n.startswith("_")},
+    )
+
+
+def _install_mmdet3d_pillars(monkeypatch):
+    """mmdet3d's PointPillarsScatter (forward / forward_single / forward_batch as upstream),
+    with its re-export from mmdet3d.models.middle_encoders."""
+    package = _module(monkeypatch, "mmdet3d.models.middle_encoders")
+    mod = _module(monkeypatch, "mmdet3d.models.middle_encoders.pillar_scatter")
+
+    class PointPillarsScatter(torch.nn.Module):
+        def __init__(self, in_channels, output_shape):
+            super().__init__()
+            self.output_shape, self.ny, self.nx = output_shape, output_shape[0], output_shape[1]
+            self.in_channels = in_channels
+            self.fp16_enabled = False
+
+        def forward(self, voxel_features, coors, batch_size=None):
+            if batch_size is not None:
+                return self.forward_batch(voxel_features, coors, batch_size)
+            return self.forward_single(voxel_features, coors)
+
+        def forward_single(self, voxel_features, coors):
+            canvas = torch.zeros(self.in_channels, self.nx * self.ny, dtype=voxel_features.dtype)
+            canvas[:, (coors[:, 2] * self.nx + coors[:, 3]).long()] = voxel_features.t()
+            return canvas.view(1, self.in_channels, self.ny, self.nx)
+
+        def forward_batch(self, voxel_features, coors, batch_size):
+            out = []
+            for b in range(batch_size):
+                canvas = torch.zeros(
+                    self.in_channels, self.nx * self.ny, dtype=voxel_features.dtype
+                )
+                mask = coors[:, 0] == b
+                this = coors[mask, :]
+                canvas[:, (this[:, 2] * self.nx + this[:, 3]).long()] = voxel_features[mask, :].t()
+                out.append(canvas)
+            return torch.stack(out, 0).view(batch_size, self.in_channels, self.ny, self.nx)
+
+    mod.PointPillarsScatter = PointPillarsScatter
+    monkeypatch.setattr(package, "PointPillarsScatter", PointPillarsScatter, raising=False)
+    return types.SimpleNamespace(
+        module=mod, PointPillarsScatter=PointPillarsScatter, forward=PointPillarsScatter.forward
+    )
+
+
 @pytest.fixture
 def upstream(monkeypatch):
     return types.SimpleNamespace(
         mmcv=_install_mmcv(monkeypatch),
         bevdet=_install_bevdet(monkeypatch),
         bevfusion=_install_bevfusion(monkeypatch),
+        voxel=_install_mmcv_voxel(monkeypatch),
+        pillars=_install_mmdet3d_pillars(monkeypatch),
     )
 
 
@@ -635,3 +871,217 @@ def test_operator_matrix_names_every_default_patch_and_recipe():
     assert listed == default_names, (
         f"unlisted {default_names - listed}, unknown {listed - default_names}"
     )
+
+
+# --------------------------------------------------------------------------- voxel patches
+
+
+def _cloud(config="tiny-voxels"):
+    vs, pcr, P, V = lidar.layer_args(config)
+    return lidar.VOXEL_CONFIGS[config].points(), vs, pcr, P, V
+
+
+def _same(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and torch.equal(g, w)
+
+
+def test_voxel_patches_targets_and_restore(upstream):
+    v, pl = upstream.voxel, upstream.pillars
+    patcher = default_patcher()
+    results = _status(patcher.apply())
+    assert set(results["mmcv.voxelization"].targets) == {
+        "mmcv.ops.voxelize.voxelization",
+        "mmcv.ops.voxelization",
+    }
+    assert set(results["mmcv.DynamicScatter"].targets) == {
+        "mmcv.ops.scatter_points.DynamicScatter",
+        "mmcv.ops.DynamicScatter",
+    }
+    assert results["mmcv._ext.hard_voxelize_forward"].targets == ["mmcv._ext.hard_voxelize_forward"]
+    assert v.voxelize.voxelization is not v.voxelization
+    assert v.ops.Voxelization is v.voxelize.Voxelization is not v.Voxelization
+    assert issubclass(v.voxelize.Voxelization, v.Voxelization)  # a subclass: isinstance holds
+    assert pl.PointPillarsScatter.forward is not pl.forward
+    patcher.restore()
+    assert v.voxelize.voxelization is v.voxelization and v.ops.Voxelization is v.Voxelization
+    assert (
+        v.scatter.DynamicScatter is v.DynamicScatter and v.ops.dynamic_scatter is v.dynamic_scatter
+    )
+    assert all(getattr(v.ext, n) is f for n, f in v.ext_functions.items())
+    assert pl.PointPillarsScatter.forward is pl.forward
+
+
+@pytest.mark.parametrize("P,V", [(5, 1500), (3, 200), (-1, 20000)])
+def test_voxelization_patch_matches_mmcv(upstream, P, V):
+    pts, vs, pcr, _, _ = _cloud()
+    want = upstream.voxel.voxelization(pts, vs, pcr, P, V)
+    with default_patcher():
+        got = sys.modules["mmcv.ops"].voxelization(pts, vs, pcr, P, V)
+        got_module = sys.modules["mmcv.ops.voxelize"].Voxelization(vs, pcr, P, V).eval()(pts)
+    want = want if isinstance(want, tuple) else (want,)
+    for out in (got, got_module):
+        _same(out if isinstance(out, tuple) else (out,), want)
+
+
+def test_voxelization_module_patch_keeps_mmcvs_attributes(upstream):
+    pts, vs, pcr, P, _ = _cloud()
+    with default_patcher():
+        cls = sys.modules["mmcv.ops"].Voxelization
+        layer = cls(vs, pcr, P, (300, 900), deterministic=False)
+        assert isinstance(layer, upstream.voxel.Voxelization)
+        assert layer.max_voxels == (300, 900) and layer.max_num_points == P
+        assert layer.train()(pts)[0].shape[0] == 300
+        _same(layer.eval()(pts), upstream.voxel.voxelization(pts, vs, pcr, P, 900))
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean", "sum"])
+def test_dynamic_scatter_patch_matches_mmcv(upstream, reduce):
+    pts, vs, pcr, _, _ = _cloud()
+    coors = oracle.mmcv_dynamic(pts, vs, pcr)
+    f_up = pts.clone().requires_grad_(True)
+    want, want_c = upstream.voxel.dynamic_scatter(f_up, coors, reduce)
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(0))
+    want.backward(g)
+    with default_patcher():
+        f = pts.clone().requires_grad_(True)
+        got, got_c = sys.modules["mmcv.ops"].dynamic_scatter(f, coors, reduce)
+        got.backward(g)
+    assert torch.equal(got_c, want_c)
+    assert_close(got, want, **F32)
+    assert_close(f.grad, f_up.grad, **F32, name="grad_feats")
+
+
+def test_dynamic_scatter_module_patch_batched(upstream):
+    clouds = lidar.batch("tiny-3sweeps", 3)
+    vs, pcr, _, _ = lidar.layer_args("tiny-voxels")
+    coors = torch.cat(
+        [
+            torch.nn.functional.pad(oracle.mmcv_dynamic(c, vs, pcr), (1, 0), value=i)
+            for i, c in enumerate(clouds)
+        ]
+    )
+    pts = torch.cat(clouds)
+    want = upstream.voxel.DynamicScatter(vs, pcr, True)(pts, coors)
+    with default_patcher():
+        layer = sys.modules["mmcv.ops"].DynamicScatter(vs, pcr, True)
+        got = layer(pts, coors)
+        single = layer(pts[: clouds[0].shape[0]], coors[: clouds[0].shape[0], 1:])
+    assert torch.equal(got[1], want[1])
+    assert_close(got[0], want[0], **F32)
+    assert single[1].shape[1] == 3
+
+
+def test_ext_patches_serve_mmdet3d_1x_direct_calls(upstream):
+    """mmdet3d 1.x's data_preprocessors/voxelize.py calls mmcv._ext with pre-allocated buffers;
+    the stand-in Functions do the same, so with the function patches disabled the _ext patches
+    alone must give mmcv's results, forward and backward."""
+    v = upstream.voxel
+    pts, vs, pcr, P, V = _cloud()
+    coors = oracle.mmcv_dynamic(pts, vs, pcr)
+    want_hard = v.voxelization(pts, vs, pcr, P, V)
+    want_dyn = v.voxelization(pts, vs, pcr, -1, V)
+    f_up = pts.clone().requires_grad_(True)
+    want_sc, _ = v.dynamic_scatter(f_up, coors, "max")
+    want_sc.backward(torch.ones_like(want_sc))
+    patcher = default_patcher()
+    for name in (
+        "mmcv.voxelization",
+        "mmcv.Voxelization",
+        "mmcv.dynamic_scatter",
+        "mmcv.DynamicScatter",
+    ):
+        patcher.disable(name)
+    with patcher:
+        assert v.ext.hard_voxelize_forward is not v.ext_functions["hard_voxelize_forward"]
+        _same(v.voxelize._Voxelization.apply(pts, vs, pcr, P, V), want_hard)
+        assert torch.equal(v.voxelize._Voxelization.apply(pts, vs, pcr, -1, V), want_dyn)
+        f = pts.clone().requires_grad_(True)
+        got_sc, _ = v.scatter._DynamicScatter.apply(f, coors, "max")
+        got_sc.backward(torch.ones_like(got_sc))
+    assert torch.equal(got_sc, want_sc) and torch.equal(f.grad, f_up.grad)
+
+
+def test_ext_prechecks_read_pybind_docstrings_and_both_mmcv_signatures(upstream, monkeypatch):
+    """Compiled functions have no inspectable signature: the names come from pybind11's
+    docstring. Early mmcv 1.x's argument order is supported; anything else is skipped."""
+    v = upstream.voxel
+    pts, vs, pcr, P, V = _cloud()
+    want = v.voxelization(pts, vs, pcr, P, V)  # before the stand-in _ext is replaced
+
+    class Compiled:
+        __signature__ = "not inspectable"  # inspect.signature raises, as for a pybind function
+
+        def __init__(self, doc, body):
+            self.__doc__, self.__name__, self.body = doc, doc.split("(")[0], body
+
+        def __call__(self, *args, **kwargs):
+            return self.body(*args, **kwargs)
+
+    calls = []
+
+    def old_hard(
+        points, voxels, coors, num, voxel_size, coors_range, max_points, max_voxels, NDim=3
+    ):
+        calls.append("old")
+        return 0
+
+    doc_old = (
+        "hard_voxelize_forward(points: torch.Tensor, voxels: torch.Tensor, coors: torch.Tensor, "
+        "num_points_per_voxel: torch.Tensor, voxel_size: List[float], coors_range: List[float], "
+        "max_points: int, max_voxels: int, NDim: int = 3) -> int\n\nhard_voxelize_forward\n"
+    )
+    doc_bad = "dynamic_voxelize_forward(points: torch.Tensor, coors: torch.Tensor) -> None\n"
+    monkeypatch.setattr(v.ext, "hard_voxelize_forward", Compiled(doc_old, old_hard))
+    monkeypatch.setattr(v.ext, "dynamic_voxelize_forward", Compiled(doc_bad, lambda *a: None))
+    with default_patcher() as patcher:
+        results = _status(patcher.results())
+        assert results["mmcv._ext.hard_voxelize_forward"].status == "applied"
+        bad = results["mmcv._ext.dynamic_voxelize_forward"]
+        assert bad.status == "skipped" and "(points, coors) differs from" in bad.reason
+        voxels = pts.new_zeros((V, P, pts.shape[1]))
+        coors = torch.zeros((V, 3), dtype=torch.int32)
+        num = torch.zeros((V,), dtype=torch.int32)
+        m = v.ext.hard_voxelize_forward(pts, voxels, coors, num, vs, pcr, P, V, 3)
+    assert m == want[0].shape[0] and calls == []
+    _same((voxels[:m], coors[:m], num[:m]), want)
+
+
+def test_voxel_prechecks_skip_other_signatures(upstream, monkeypatch):
+    v = upstream.voxel
+
+    class OldFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, points, voxel_size, coors_range):
+            raise AssertionError("not called")
+
+    monkeypatch.setattr(v.voxelize, "voxelization", OldFunction.apply)
+    with default_patcher() as patcher:
+        r = _status(patcher.results())["mmcv.voxelization"]
+        assert (
+            r.status == "skipped" and "(ctx, points, voxel_size, coors_range) differs" in r.reason
+        )
+        assert sys.modules["mmcv.ops.voxelize"].voxelization == OldFunction.apply
+
+
+@pytest.mark.parametrize("batch", [None, 2])
+def test_pillar_scatter_patch_matches_mmdet3d(upstream, batch):
+    vs, pcr, P, V = lidar.layer_args("tiny-pillars")
+    clouds = lidar.batch("tiny", 2)
+    import mu_space
+
+    _, coors, _ = mu_space.voxelization_batch(clouds, vs, pcr, P, V)
+    if batch is None:
+        coors = coors[coors[:, 0] == 0]
+    feats = torch.randn(coors.shape[0], 8, generator=torch.Generator().manual_seed(2))
+    gx, gy, _ = lidar.VOXEL_CONFIGS["tiny-pillars"].grid_size
+    layer = upstream.pillars.PointPillarsScatter(8, [gy, gx])
+    f_up = feats.clone().requires_grad_(True)
+    want = layer(f_up, coors, batch)
+    want.backward(torch.ones_like(want))
+    with default_patcher():
+        f = feats.clone().requires_grad_(True)
+        got = layer(f, coors, batch)
+        got.backward(torch.ones_like(got))
+    assert torch.equal(got, want) and torch.equal(f.grad, f_up.grad)

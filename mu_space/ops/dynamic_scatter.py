@@ -543,7 +543,12 @@ OP = _opdef.define(
         upstream="mmcv `dynamic_scatter` / `DynamicScatter`",
         models="DynamicVFE (dynamic-voxel PointPillars / SECOND / CenterPoint), MVX-Net, "
         "Cylinder3D-style segmentation",
-        patches=(),
+        patches=(
+            "mmcv.dynamic_scatter",
+            "mmcv.DynamicScatter",
+            "mmcv._ext.dynamic_point_to_voxel_forward",
+            "mmcv._ext.dynamic_point_to_voxel_backward",
+        ),
         recipes=("model_examples/CenterPoint",),
         doc="docs/operators/dynamic_scatter.md",
         unverified=_voxel.UNVERIFIED,

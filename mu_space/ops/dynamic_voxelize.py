@@ -73,7 +73,7 @@ OP = _opdef.define(
         samples=_samples,
         upstream="mmcv `voxelization(..., max_points=-1)` / `dynamic_voxelize_forward`",
         models="dynamic-voxel PointPillars / SECOND / CenterPoint (DynamicVFE), MVX-Net",
-        patches=(),
+        patches=("mmcv._ext.dynamic_voxelize_forward",),
         recipes=("model_examples/CenterPoint",),
         doc="docs/operators/voxelization.md",
         unverified=_voxel.UNVERIFIED,

@@ -15,6 +15,15 @@ Patch names (for `Patcher.disable` / `enable`):
     bevdet.bev_pool_v2                        on   mmdet3d.ops.bev_pool_v2.bev_pool
     bevdet.voxel_pooling_prepare_v2           on   mmdet3d.models.necks.view_transformer
     bevfusion.bev_pool                        on   mmdet3d.ops.bev_pool.bev_pool (+ mmdet3d.ops)
+    mmcv.voxelization                         on   mmcv.ops.voxelize.voxelization (+ mmcv.ops)
+    mmcv.Voxelization                         on   mmcv.ops.voxelize.Voxelization (+ mmcv.ops)
+    mmcv.dynamic_scatter                      on   mmcv.ops.scatter_points.dynamic_scatter (+ mmcv.ops)
+    mmcv.DynamicScatter                       on   mmcv.ops.scatter_points.DynamicScatter (+ mmcv.ops)
+    mmcv._ext.hard_voxelize_forward           on   mmcv._ext (what mmdet3d 1.x's voxelize.py calls)
+    mmcv._ext.dynamic_voxelize_forward        on   mmcv._ext
+    mmcv._ext.dynamic_point_to_voxel_forward  on   mmcv._ext
+    mmcv._ext.dynamic_point_to_voxel_backward on   mmcv._ext
+    mmdet3d.PointPillarsScatter               on   mmdet3d.models.middle_encoders.pillar_scatter
 """
 
 from __future__ import annotations
@@ -58,6 +67,44 @@ BEV_POOL_V2_PARAMS = (
 )
 PREPARE_V2_PARAMS = ("self", "coor")
 BEV_POOL_PARAMS = ("feats", "coords", "B", "D", "H", "W")
+VOXELIZE_MODULE = "mmcv.ops.voxelize"
+SCATTER_MODULE = "mmcv.ops.scatter_points"
+EXT_MODULE = "mmcv._ext"
+PILLAR_SCATTER = "mmdet3d.models.middle_encoders.pillar_scatter.PointPillarsScatter"
+# mmcv 2.x (and late 1.x) with `deterministic`; early mmcv 1.x without it
+VOXELIZATION_FORWARD_PARAMS = (
+    ("ctx", "points", "voxel_size", "coors_range", "max_points", "max_voxels", "deterministic"),
+    ("ctx", "points", "voxel_size", "coors_range", "max_points", "max_voxels"),
+)
+VOXELIZATION_INIT_PARAMS = (
+    ("self", "voxel_size", "point_cloud_range", "max_num_points", "max_voxels", "deterministic"),
+    ("self", "voxel_size", "point_cloud_range", "max_num_points", "max_voxels"),
+)
+DYNAMIC_SCATTER_FORWARD_PARAMS = (("ctx", "feats", "coors", "reduce_type"),)
+DYNAMIC_SCATTER_INIT_PARAMS = (("self", "voxel_size", "point_cloud_range", "average_points"),)
+# mmcv._ext (pybind11: names from the docstring signature). 2.x / late 1.x, then early 1.x.
+EXT_HARD_PARAMS = (
+    (
+        "points", "voxel_size", "coors_range", "voxels", "coors", "num_points_per_voxel",
+        "voxel_num", "max_points", "max_voxels", "NDim", "deterministic",
+    ),
+    (
+        "points", "voxels", "coors", "num_points_per_voxel", "voxel_size", "coors_range",
+        "max_points", "max_voxels", "NDim",
+    ),
+)  # fmt: skip
+EXT_DYNAMIC_PARAMS = (
+    ("points", "voxel_size", "coors_range", "coors", "NDim"),
+    ("points", "coors", "voxel_size", "coors_range", "NDim"),
+)
+EXT_SCATTER_FORWARD_PARAMS = (("feats", "coors", "reduce_type"),)
+EXT_SCATTER_BACKWARD_PARAMS = (
+    (
+        "grad_feats", "grad_reduced_feats", "feats", "reduced_feats", "coors_idx",
+        "reduce_count", "reduce_type",
+    ),
+)  # fmt: skip
+PILLAR_FORWARD_PARAMS = (("self", "voxel_features", "coors", "batch_size"),)
 
 _MARK = "__mu_space_patch__"  # set on every replacement: the patch name
 _ORIGINAL = "__mu_space_original__"  # the upstream object it replaces
@@ -106,6 +153,80 @@ def _mark(replacement: Any, name: str, original: Any) -> Any:
     setattr(replacement, _MARK, name)
     setattr(replacement, _ORIGINAL, original)
     return replacement
+
+
+def _doc_parameter_names(fn: Any) -> tuple[str, ...] | None:
+    """Parameter names from a pybind11 docstring signature, `name(a: T, b: T = 3) -> R`
+    (compiled extensions such as mmcv._ext have no inspectable signature)."""
+    doc = getattr(fn, "__doc__", None)
+    name = getattr(fn, "__name__", "")
+    if not isinstance(doc, str):
+        return None
+    line = doc.strip().splitlines()[0] if doc.strip() else ""
+    if not line.startswith(f"{name}(") or ")" not in line:
+        return None
+    inner = line[len(name) + 1 : line.rindex(")")]
+    names, depth, part = [], 0, ""
+    for ch in inner + ",":
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            arg = part.strip().split(":")[0].split("=")[0].strip()
+            if arg:
+                names.append(arg)
+            part = ""
+        else:
+            part += ch
+    return tuple(names) if all(n.isidentifier() for n in names) else None
+
+
+def _names_of(fn: Any) -> tuple[str, ...] | None:
+    names = _parameter_names(fn)
+    if names is None or names in (("args", "kwargs"), ("self", "args", "kwargs")):
+        return _doc_parameter_names(fn)
+    return names
+
+
+def _one_of(
+    accepted: tuple[tuple[str, ...], ...], *, get: Callable[[Any], Any] | None = None
+) -> Callable[[Any], str | None]:
+    """A precheck: the parameter names of the upstream callable (or of `get(original)`, e.g.
+    an autograd.Function's forward behind its `apply`) must be one of `accepted`; never a
+    muSPACE replacement already. Compiled functions are read from their pybind11 docstring."""
+
+    def check(original: Any) -> str | None:
+        marked = getattr(original, _MARK, None)
+        if marked is not None:
+            return f"already replaced by muSPACE (patch {marked!r} of another Patcher)"
+        fn = original if get is None else get(original)
+        if fn is None:
+            return (
+                f"{getattr(original, '__name__', original)!r} is not the expected upstream object"
+            )
+        names = _names_of(fn)
+        if names is None:
+            return "upstream signature cannot be inspected"
+        if names not in accepted:
+            return (
+                f"upstream signature ({', '.join(names)}) differs from the supported "
+                + " or ".join(f"({', '.join(a)})" for a in accepted)
+            )
+        return None
+
+    return check
+
+
+def _function_forward(original: Any) -> Any:
+    """The forward of the autograd.Function whose `apply` is `original` (mmcv's
+    `voxelization = _Voxelization.apply`)."""
+    owner = getattr(original, "__self__", None)
+    return getattr(owner, "forward", None) if isinstance(owner, type) else None
+
+
+def _class_init(original: Any) -> Any:
+    return original.__init__ if isinstance(original, type) else None
 
 
 # --------------------------------------------------------------------------- mmcv: MSDA
@@ -302,6 +423,242 @@ def _bev_pool(backend: str) -> Callable[[Any], Any]:
     return make
 
 
+# --------------------------------------------------------------------------- mmcv: voxels
+
+
+def _voxelization(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def voxelization(
+            points, voxel_size, coors_range, max_points=35, max_voxels=20000, deterministic=True
+        ):
+            """muSPACE replacement of mmcv's `voxelization` (`_Voxelization.apply`): hard
+            voxelization -> (voxels [M, max_points, C], coors [M, 3] int32 (z, y, x),
+            num_points_per_voxel [M] int32); max_points or max_voxels == -1: dynamic, coors
+            [N, 3]. Deterministic (mmcv's deterministic order) whatever `deterministic` says."""
+            return mu_space.voxelization(
+                points, voxel_size, coors_range, max_points, max_voxels, bool(deterministic),
+                backend=backend,
+            )  # fmt: skip
+
+        return _mark(voxelization, "mmcv.voxelization", original)
+
+    return make
+
+
+def _voxelization_class(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        class Voxelization(original):
+            """muSPACE replacement of mmcv's `Voxelization` module: mmcv's constructor and
+            attributes (a subclass), forward through `mu_space.voxelization`."""
+
+            def forward(self, input):
+                max_voxels = self.max_voxels[0] if self.training else self.max_voxels[1]
+                return mu_space.voxelization(
+                    input,
+                    self.voxel_size,
+                    self.point_cloud_range,
+                    self.max_num_points,
+                    max_voxels,
+                    bool(getattr(self, "deterministic", True)),
+                    backend=backend,
+                )
+
+        Voxelization.__module__ = getattr(original, "__module__", __name__)
+        Voxelization.__qualname__ = original.__qualname__
+        return _mark(Voxelization, "mmcv.Voxelization", original)
+
+    return make
+
+
+def _dynamic_scatter(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def dynamic_scatter(feats, coors, reduce_type="max"):
+            """muSPACE replacement of mmcv's `dynamic_scatter` (`_DynamicScatter.apply`):
+            (voxel_feats [M, C], voxel_coors [M, ndim]), differentiable w.r.t. feats."""
+            return mu_space.dynamic_scatter(feats, coors, reduce_type, backend=backend)
+
+        return _mark(dynamic_scatter, "mmcv.dynamic_scatter", original)
+
+    return make
+
+
+def _dynamic_scatter_class(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        from mu_space.ops.voxel_layers import scatter_batched
+
+        class DynamicScatter(original):
+            """muSPACE replacement of mmcv's `DynamicScatter` module (a subclass): the
+            (batch, z, y, x) form in one call instead of mmcv's loop over the samples."""
+
+            def forward_single(self, points, coors):
+                reduce = "mean" if self.average_points else "max"
+                return mu_space.dynamic_scatter(
+                    points.contiguous(), coors.contiguous(), reduce, backend=backend
+                )
+
+            def forward(self, points, coors):
+                if coors.size(-1) == 3:
+                    return self.forward_single(points, coors)
+                reduce = "mean" if self.average_points else "max"
+                return scatter_batched(points, coors, reduce, backend)
+
+        DynamicScatter.__module__ = getattr(original, "__module__", __name__)
+        DynamicScatter.__qualname__ = original.__qualname__
+        return _mark(DynamicScatter, "mmcv.DynamicScatter", original)
+
+    return make
+
+
+def _ext_hard_voxelize(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        new_api = _names_of(original) == EXT_HARD_PARAMS[0]
+
+        def fill(points, voxel_size, coors_range, voxels, coors, num, max_points, max_voxels, det):
+            v, c, k = mu_space.voxelization(
+                points, voxel_size, coors_range, int(max_points), int(max_voxels), bool(det),
+                backend=backend,
+            )  # fmt: skip
+            m = v.shape[0]
+            voxels[:m].copy_(v)
+            coors[:m].copy_(c)
+            num[:m].copy_(k)
+            return m
+
+        if new_api:
+
+            def hard_voxelize_forward(
+                points, voxel_size, coors_range, voxels, coors, num_points_per_voxel,
+                voxel_num, max_points, max_voxels, NDim=3, deterministic=True,
+            ):  # fmt: skip
+                """muSPACE replacement of mmcv 2.x's `_ext.hard_voxelize_forward`: fills the
+                caller's max_voxels buffers (zero-initialised by the caller) and voxel_num."""
+                if NDim != 3:
+                    return original(
+                        points, voxel_size, coors_range, voxels, coors, num_points_per_voxel,
+                        voxel_num, max_points, max_voxels, NDim, deterministic,
+                    )  # fmt: skip
+                m = fill(
+                    points, voxel_size, coors_range, voxels, coors, num_points_per_voxel,
+                    max_points, max_voxels, deterministic,
+                )  # fmt: skip
+                voxel_num.fill_(m)
+                return None
+
+        else:
+
+            def hard_voxelize_forward(
+                points, voxels, coors, num_points_per_voxel, voxel_size, coors_range,
+                max_points, max_voxels, NDim=3,
+            ):  # fmt: skip
+                """muSPACE replacement of early mmcv 1.x's `_ext.hard_voxelize_forward`:
+                fills the caller's buffers, returns the voxel count."""
+                if NDim != 3:
+                    return original(
+                        points, voxels, coors, num_points_per_voxel, voxel_size, coors_range,
+                        max_points, max_voxels, NDim,
+                    )  # fmt: skip
+                return fill(
+                    points, voxel_size, coors_range, voxels, coors, num_points_per_voxel,
+                    max_points, max_voxels, True,
+                )  # fmt: skip
+
+        return _mark(hard_voxelize_forward, "mmcv._ext.hard_voxelize_forward", original)
+
+    return make
+
+
+def _ext_dynamic_voxelize(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        new_api = _names_of(original) == EXT_DYNAMIC_PARAMS[0]
+
+        def fill(points, voxel_size, coors_range, coors):
+            coors.copy_(mu_space.dynamic_voxelize(points, voxel_size, coors_range, backend=backend))
+
+        if new_api:
+
+            def dynamic_voxelize_forward(points, voxel_size, coors_range, coors, NDim=3):
+                """muSPACE replacement of mmcv 2.x's `_ext.dynamic_voxelize_forward`: writes
+                coors [N, 3] in place."""
+                if NDim != 3:
+                    return original(points, voxel_size, coors_range, coors, NDim)
+                fill(points, voxel_size, coors_range, coors)
+
+        else:
+
+            def dynamic_voxelize_forward(points, coors, voxel_size, coors_range, NDim=3):
+                """muSPACE replacement of early mmcv 1.x's `_ext.dynamic_voxelize_forward`."""
+                if NDim != 3:
+                    return original(points, coors, voxel_size, coors_range, NDim)
+                fill(points, voxel_size, coors_range, coors)
+
+        return _mark(dynamic_voxelize_forward, "mmcv._ext.dynamic_voxelize_forward", original)
+
+    return make
+
+
+def _ext_scatter_forward(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        from mu_space.ops.dynamic_scatter import dynamic_scatter_with_map
+
+        def dynamic_point_to_voxel_forward(feats, coors, reduce_type):
+            """muSPACE replacement of mmcv's `_ext.dynamic_point_to_voxel_forward`:
+            [voxel_feats, voxel_coors, point2voxel (int32, -1 dropped), voxel_points_count]."""
+            return list(dynamic_scatter_with_map(feats, coors, reduce_type, backend=backend))
+
+        return _mark(
+            dynamic_point_to_voxel_forward, "mmcv._ext.dynamic_point_to_voxel_forward", original
+        )
+
+    return make
+
+
+def _ext_scatter_backward(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        from mu_space.ops.dynamic_scatter import dynamic_scatter_backward_from_map
+
+        def dynamic_point_to_voxel_backward(
+            grad_feats, grad_reduced_feats, feats, reduced_feats, coors_idx, reduce_count,
+            reduce_type,
+        ):  # fmt: skip
+            """muSPACE replacement of mmcv's `_ext.dynamic_point_to_voxel_backward`: writes
+            grad_feats in place by mmcv's rule (max: the gradient to the lowest point index
+            whose feature equals the saved maximum)."""
+            grad_feats.copy_(
+                dynamic_scatter_backward_from_map(
+                    grad_reduced_feats, feats, reduced_feats, coors_idx, reduce_count, reduce_type
+                )
+            )
+
+        return _mark(
+            dynamic_point_to_voxel_backward, "mmcv._ext.dynamic_point_to_voxel_backward", original
+        )
+
+    return make
+
+
+# --------------------------------------------------------------------------- mmdet3d: pillars
+
+
+def _pillar_scatter(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def forward(self, voxel_features, coors, batch_size=None):
+            """muSPACE replacement of mmdet3d's `PointPillarsScatter.forward`: the canvas
+            [B, in_channels, ny, nx] (B = 1 when batch_size is None: forward_single ignores the
+            batch column, as upstream) through `mu_space.pillar_scatter`."""
+            if getattr(self, "fp16_enabled", False):  # mmcv 1.x's auto_fp16 on this forward
+                voxel_features = voxel_features.half()
+            if batch_size is None:
+                coors = torch.cat((torch.zeros_like(coors[:, :1]), coors[:, 1:]), dim=1)
+                batch_size = 1
+            return mu_space.pillar_scatter(
+                voxel_features, coors, int(batch_size), (self.ny, self.nx), backend=backend
+            )
+
+        return _mark(forward, "mmdet3d.PointPillarsScatter", original)
+
+    return make
+
+
 # --------------------------------------------------------------------------- assembly
 
 
@@ -362,6 +719,78 @@ def default_patches(*, backend: str = "auto") -> list[Patch]:
             aliases=("mmdet3d.ops.bev_pool.bev_pool", "mmdet3d.ops.bev_pool"),
             precheck=_signature_check(BEV_POOL_PARAMS),
             description="BEVFusion bev_pool -> mu_space.bev_pool",
+        ),
+        Patch(
+            "mmcv.voxelization",
+            f"{VOXELIZE_MODULE}.voxelization",
+            _voxelization(backend),
+            aliases=("mmcv.ops.voxelization",),
+            precheck=_one_of(VOXELIZATION_FORWARD_PARAMS, get=_function_forward),
+            description="mmcv 1.x / 2.x voxelization (hard and dynamic) -> mu_space.voxelization",
+        ),
+        Patch(
+            "mmcv.Voxelization",
+            f"{VOXELIZE_MODULE}.Voxelization",
+            _voxelization_class(backend),
+            aliases=("mmcv.ops.Voxelization",),
+            precheck=_one_of(VOXELIZATION_INIT_PARAMS, get=_class_init),
+            description="mmcv's Voxelization module (a subclass, forward replaced) -> "
+            "mu_space.voxelization",
+        ),
+        Patch(
+            "mmcv.dynamic_scatter",
+            f"{SCATTER_MODULE}.dynamic_scatter",
+            _dynamic_scatter(backend),
+            aliases=("mmcv.ops.dynamic_scatter",),
+            precheck=_one_of(DYNAMIC_SCATTER_FORWARD_PARAMS, get=_function_forward),
+            description="mmcv 1.x / 2.x dynamic_scatter (forward and backward) -> "
+            "mu_space.dynamic_scatter",
+        ),
+        Patch(
+            "mmcv.DynamicScatter",
+            f"{SCATTER_MODULE}.DynamicScatter",
+            _dynamic_scatter_class(backend),
+            aliases=("mmcv.ops.DynamicScatter",),
+            precheck=_one_of(DYNAMIC_SCATTER_INIT_PARAMS, get=_class_init),
+            description="mmcv's DynamicScatter module (a subclass; batched coors in one call) "
+            "-> mu_space.dynamic_scatter",
+        ),
+        Patch(
+            "mmcv._ext.hard_voxelize_forward",
+            f"{EXT_MODULE}.hard_voxelize_forward",
+            _ext_hard_voxelize(backend),
+            precheck=_one_of(EXT_HARD_PARAMS),
+            description="mmcv._ext.hard_voxelize_forward (what mmdet3d 1.x's own voxelize.py "
+            "calls) -> mu_space.voxelization",
+        ),
+        Patch(
+            "mmcv._ext.dynamic_voxelize_forward",
+            f"{EXT_MODULE}.dynamic_voxelize_forward",
+            _ext_dynamic_voxelize(backend),
+            precheck=_one_of(EXT_DYNAMIC_PARAMS),
+            description="mmcv._ext.dynamic_voxelize_forward -> mu_space.dynamic_voxelize",
+        ),
+        Patch(
+            "mmcv._ext.dynamic_point_to_voxel_forward",
+            f"{EXT_MODULE}.dynamic_point_to_voxel_forward",
+            _ext_scatter_forward(backend),
+            precheck=_one_of(EXT_SCATTER_FORWARD_PARAMS),
+            description="mmcv._ext.dynamic_point_to_voxel_forward (mmdet3d 1.x "
+            "dynamic_scatter_3d) -> mu_space.dynamic_scatter's parts",
+        ),
+        Patch(
+            "mmcv._ext.dynamic_point_to_voxel_backward",
+            f"{EXT_MODULE}.dynamic_point_to_voxel_backward",
+            _ext_scatter_backward(backend),
+            precheck=_one_of(EXT_SCATTER_BACKWARD_PARAMS),
+            description="mmcv._ext.dynamic_point_to_voxel_backward -> mmcv's backward rule",
+        ),
+        Patch(
+            "mmdet3d.PointPillarsScatter",
+            f"{PILLAR_SCATTER}.forward",
+            _pillar_scatter(backend),
+            precheck=_one_of(PILLAR_FORWARD_PARAMS),
+            description="mmdet3d PointPillarsScatter.forward -> mu_space.pillar_scatter",
         ),
     ]
 
