@@ -109,6 +109,38 @@ def lidar_frame(n_points: int, n_boxes: int, *, batch: int = 1, seed: int = 0):
     return torch.stack(pts), torch.stack(bxs)
 
 
+def boxes_on_points(points: torch.Tensor, n: int, *, seed: int = 0, ground_z: float = -1.84):
+    """[n, 7] float32 LiDAR boxes (class sizes, yaw uniform, bottom on the ground) centred on
+    random non-ground points of `points` [P, >=3] (0.3 m above the ground or more): boxes that
+    hold points the way ground-truth boxes do, for any cloud (mu_space.testing.lidar's too)."""
+    g = _gen(seed + 4)
+    above = points[points[:, 2] > ground_z + 0.3, :2]
+    if above.shape[0] == 0:
+        above = points[:, :2] if points.shape[0] else torch.zeros(1, 2)
+    centres = above[torch.randint(0, above.shape[0], (n,), generator=g)].float()
+    centres = centres + 0.3 * torch.randn(n, 2, generator=g)
+    boxes = lidar_boxes(n, seed=seed, min_gap=False)
+    boxes[:, :2] = centres
+    boxes[:, 2] = ground_z
+    return boxes.contiguous()
+
+
+def benchmark_cloud(n_points: int | None = None, *, seed: int = 0) -> torch.Tensor:
+    """[P, 3] float32: mu_space.testing.lidar's nuScenes 10-sweep cloud (~327k points, clustered
+    like a real frame; n_points cuts or tiles it), or, where that module is absent, this module's
+    own clustered cloud."""
+    try:
+        from mu_space.testing import lidar
+
+        cloud = lidar.make("nus-10sweeps")[:, :3].contiguous()
+    except ImportError:  # pragma: no cover - issue 10's module not there
+        cloud = lidar_points(lidar_boxes(60, seed=seed), 327000, seed=seed)
+    if n_points is None:
+        return cloud
+    reps = -(-n_points // cloud.shape[0])
+    return cloud.repeat(reps, 1)[:n_points].contiguous()
+
+
 def roi_inputs(n_points: int, n_rois: int, *, seed: int = 0, extent: float = 15.0):
     """RoI pooling inputs: (rois [N, 7], pts [P, 3]) float32, proposals around LiDAR objects
     (detections' noise: centre +-0.3 m, sizes +-8%, yaw +-0.15) over a point cloud with 60% of

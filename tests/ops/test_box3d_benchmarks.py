@@ -1,0 +1,48 @@
+"""The issue-12 benchmark scripts end to end on tiny inputs (CPU-capable smoke runs: every case
+checked against its reference and timed, the JSON written, the targets evaluated), and the mmcv
+peer's ratio table (benchmarks/_box3d_peer.py)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from benchmarks import _box3d_peer, harness
+
+BENCHES = ("points_in_boxes", "boxes_overlap_bev", "nms3d", "roiaware_pool3d", "roipoint_pool3d")
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_smoke_run(bench, tmp_path):
+    module = importlib.import_module(f"benchmarks.bench_{bench}")
+    assert module.main(["--smoke", "--quick", "--reps", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    doc = json.loads(path.read_text())
+    assert doc["results"] and all(r["status"] == "ok" and r["checked"] for r in doc["results"])
+    assert len(doc["targets"]) == len(
+        harness.evaluate_targets(doc["results"], getattr(module, "TARGETS", ()))
+    )
+
+
+def test_without_a_gpu_the_peer_is_skipped_with_the_reason():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine: the peer may be built there")
+    assert _box3d_peer.reason() is not None
+    assert not _box3d_peer.has("nms3d_keep")
+
+
+def test_ratio_table(tmp_path):
+    doc = {
+        "results": [
+            {"name": "a", "median_us": 10.0},
+            {"name": "a-mmcv", "median_us": 250.0},
+            {"name": "b", "median_us": 5.0},
+        ]
+    }
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    table = _box3d_peer.ratio_table([str(path)])
+    assert "| a | 10.0 | 250.0 | 25.0x |" in table and "| b |" not in table
