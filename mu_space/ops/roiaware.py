@@ -81,9 +81,12 @@ def map_reference(rois, pts, out_size, max_pts_per_voxel):
     r = rois.to(_box3d.compute_dtype(rois.dtype))[ridx]
     p = pts.to(r.dtype)[pidx]
     lx, ly = _box3d.local_xy(pb, p[:, 0], p[:, 1])
-    ix = _voxel_index((lx + r[:, 3] * 0.5) / (r[:, 3] / ox), ox)
-    iy = _voxel_index((ly + r[:, 4] * 0.5) / (r[:, 4] / oy), oy)
-    iz = _voxel_index((p[:, 2] - r[:, 2]) / (r[:, 5] / oz), oz)
+    # divisions by tensors: torch turns a division by a Python scalar into a multiplication by
+    # its rounded reciprocal on the GPU, the kernels divide (correctly rounded)
+    res = r[:, 3:6] / torch.tensor([ox, oy, oz], dtype=r.dtype, device=r.device)
+    ix = _voxel_index((lx + r[:, 3] * 0.5) / res[:, 0], ox)
+    iy = _voxel_index((ly + r[:, 4] * 0.5) / res[:, 1], oy)
+    iz = _voxel_index((p[:, 2] - r[:, 2]) / res[:, 2], oz)
     cell = ridx * V + (ix * oy + iy) * oz + iz
     cell, order = torch.sort(cell, stable=True)  # within a cell: ascending point index
     points = pidx[order]
