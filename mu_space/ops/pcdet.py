@@ -6,6 +6,9 @@ with an explicit visiting order (OpenPCDet sorts once; mmcv's nms3d sorts inside
     boxes_bev_iou_cpu(boxes_a, boxes_b)            -> the same on CPU tensors / numpy arrays
     nms_gpu(boxes[N, 7], scores, thresh, pre_maxsize=None, **kwargs)  -> (keep, None)
     nms_normal_gpu(boxes[N, 7], scores, thresh, **kwargs)             -> (keep, None)
+    points_in_boxes_gpu(points[B, M, 3], boxes[B, T, 7])  -> [B, M] first box or -1
+    points_in_boxes_cpu(points[M, 3], boxes[T, 7])        -> [T, M] 0 / 1 (numpy in, numpy out)
+      (roiaware_pool3d_utils; OpenPCDet's boxes have z at the CENTRE: z - dz/2 is passed on)
 
 docs/operators/nms3d.md and boxes_overlap_bev.md state the conventions (7-value LiDAR boxes,
 OpenPCDet's z is the box centre, unused here; exact overlap instead of the 1 cm margin).
@@ -151,3 +154,39 @@ def nms_normal_gpu(boxes, scores, thresh, *, backend: str = "auto", **kwargs):
     check_nms(boxes, scores, 7, "N, (x, y, z, dx, dy, dz, heading)")
     order = scores.sort(0, descending=True)[1]
     return box3d_nms_ordered(boxes, order, "normal", thresh, None, backend=backend), None
+
+
+def _bottom(boxes: torch.Tensor) -> torch.Tensor:
+    """OpenPCDet's centre-z boxes in mmcv's bottom-z layout (z - dz/2; one rounding, so a point
+    within ~1 ulp of a top or bottom face can differ from OpenPCDet's own test)."""
+    out = boxes.clone()
+    out[..., 2] = boxes[..., 2] - boxes[..., 5] / 2
+    return out
+
+
+def points_in_boxes_gpu(points, boxes, *, backend: str = "auto"):
+    """OpenPCDet's `roiaware_pool3d_utils.points_in_boxes_gpu(points, boxes)`: points [B, M, 3],
+    boxes [B, T, 7] (x, y, z centre, dx, dy, dz, heading) -> [B, M] int32, the first box holding
+    each point or -1 (`points_in_boxes_part` of the bottom-z boxes)."""
+    from mu_space.ops.points_in_boxes import points_in_boxes_part
+
+    _box3d.check_float_tensor(boxes, "boxes")
+    return points_in_boxes_part(points, _bottom(boxes), backend=backend)
+
+
+def points_in_boxes_cpu(points, boxes):
+    """OpenPCDet's `roiaware_pool3d_utils.points_in_boxes_cpu(points, boxes)`: points [M, 3],
+    boxes [T, 7] (z centre), tensors or numpy arrays -> point_indices [T, M] (1 inside, else 0;
+    int32, numpy for numpy input). Note the [T, M] layout (mmcv's points_in_boxes_cpu returns
+    [B, M, T])."""
+    import numpy as np
+
+    is_numpy = isinstance(points, np.ndarray)
+    p = torch.from_numpy(points) if is_numpy else points
+    b = torch.from_numpy(boxes) if isinstance(boxes, np.ndarray) else boxes
+    _box3d.check_float_tensor(p, "points")
+    _box3d.check_float_tensor(b, "boxes")
+    from mu_space.ops.points_in_boxes import points_in_boxes_all
+
+    out = points_in_boxes_all(p[None], _bottom(b)[None].to(p.dtype), backend="reference")[0].T
+    return out.contiguous().numpy() if is_numpy else out.contiguous()

@@ -14,6 +14,8 @@ from mu_space.ops.pcdet import (
     boxes_iou_bev,
     nms_gpu,
     nms_normal_gpu,
+    points_in_boxes_cpu,
+    points_in_boxes_gpu,
 )
 from mu_space.testing import boxes as box_inputs
 from tests.helpers import assert_close, native_gpu_device
@@ -81,3 +83,21 @@ def test_native_equals_reference():
     assert torch.equal(
         boxes_iou_bev(b, b, backend="native"), boxes_iou_bev(b, b, backend="reference")
     )
+
+
+def test_points_in_boxes_adapters_take_centre_z_boxes():
+    pts, bxs = box_inputs.lidar_frame(500, 9, batch=1, seed=8)
+    centre = bxs.clone()
+    centre[..., 2] += centre[..., 5] / 2  # OpenPCDet's layout
+    rows, blist = pts[0].double().tolist(), bxs[0].double().tolist()
+    want = torch.tensor(
+        [[int(oracle.point_in_lidar_box(p, b)) for p in rows] for b in blist], dtype=torch.int32
+    )
+    got = points_in_boxes_cpu(pts[0].double(), centre[0].double())
+    assert got.shape == (9, 500) and torch.equal(got, want)
+    assert np.array_equal(
+        points_in_boxes_cpu(pts[0].double().numpy(), centre[0].double().numpy()), want.numpy()
+    )
+    part = points_in_boxes_gpu(pts.double(), centre.double())
+    first = torch.where(want.T.any(-1), want.T.argmax(-1), -1).int()
+    assert torch.equal(part[0], first)
