@@ -29,6 +29,10 @@ import torch
 
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 
+# Every box op's OpDef.unverified, in one place: the GPU session that has run the kernels (tests,
+# sanitizer, benchmarks) sets it to "" (auto then uses them).
+UNVERIFIED = "issue 12: compiled by nvcc and clang, not yet run on a GPU"
+
 NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_DTYPES = (*NATIVE_DTYPES, torch.float64)
 _FLOAT_NAMES = "float32, float16, bfloat16 or float64"

@@ -13,7 +13,7 @@ import torch
 from mu_space.ops import _box3d, _opdef
 from mu_space.ops.iou3d import nms_fake, nms_supports, run_nms
 
-_UNVERIFIED = "issue 12: written and compiled, not yet run on a GPU"
+_UNVERIFIED = _box3d.UNVERIFIED
 
 
 def _check(dets, thresh, post_max_size) -> _opdef.Checked:

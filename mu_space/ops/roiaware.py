@@ -26,7 +26,7 @@ from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
-_UNVERIFIED = "issue 12: written and compiled, not yet run on a GPU"
+_UNVERIFIED = _box3d.UNVERIFIED
 _INT32_MAX = 2**31 - 1
 _MODES = {"max": 0, "avg": 1}
 _CHUNK = 1 << 22  # reference pooling: (cell, slot, channel) values at once

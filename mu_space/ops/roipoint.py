@@ -16,7 +16,7 @@ from mu_space.ops import _box3d, _opdef
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
-_UNVERIFIED = "issue 12: written and compiled, not yet run on a GPU"
+_UNVERIFIED = _box3d.UNVERIFIED
 _INT32_MAX = 2**31 - 1
 
 
