@@ -78,6 +78,7 @@ def cases_for(name, pts, bxs, dtype, params, with_peer=True) -> list[Case]:
             fn=lambda fn=fn: fn(pts, bxs, backend=be),
             make_args=lambda: (),
             reference=lambda fn=fn: fn(pts, bxs, backend="reference"),
+            time_reference="sweep" not in params,  # sweeps: checked, not timed
         )
         out.append(case)
         if with_peer and peer.has(f"points_in_boxes_{kind}"):

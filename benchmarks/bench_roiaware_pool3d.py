@@ -86,6 +86,7 @@ def cases_for(name, rois, pts, C, mode, out_size, dtype, params, backward=True) 
         fn=lambda: fwd(be),
         make_args=lambda: (),
         reference=lambda: fwd("reference"),
+        time_reference="sweep" not in params,  # sweeps: checked, not timed
     )
     cases = [case]
     if peer.has("roiaware_forward") and dtype == torch.float32:

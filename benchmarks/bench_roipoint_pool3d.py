@@ -61,6 +61,7 @@ def cases_for(name, pts, bxs, C, dtype, params) -> list[Case]:
         fn=lambda: roipoint_pool3d(pts, feats, bxs, S, backend=be),
         make_args=lambda: (),
         reference=lambda: roipoint_pool3d(pts, feats, bxs, S, backend="reference"),
+        time_reference="sweep" not in params,  # sweeps: checked, not timed
     )
     cases = [case]
     if peer.has("roipoint_forward") and dtype == torch.float32:
