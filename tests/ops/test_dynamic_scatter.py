@@ -257,3 +257,12 @@ def test_centerpoint_recipe_detects_a_wrong_backend(monkeypatch, capsys):
     args = ["--device", "cpu", "--small", "--warmup", "0", "--reps", "1", "--mode", "dynamic"]
     assert _recipe().main([*args, "--backend-a", "auto"]) == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_benchmark_smoke_run(tmp_path, capsys):
+    """benchmarks/bench_dynamic_scatter.py end to end on tiny inputs (CPU: reference path)."""
+    from benchmarks import bench_dynamic_scatter
+
+    args = ["--smoke", "--quick", "--out", str(tmp_path), "--cases", "c5-max.*float32"]
+    assert bench_dynamic_scatter.main(args) == 0, capsys.readouterr().out
+    assert (tmp_path / "dynamic_scatter.smoke.json").is_file()

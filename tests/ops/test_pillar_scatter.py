@@ -149,3 +149,12 @@ def test_point_pillars_recipe_detects_a_wrong_backend(monkeypatch, capsys):
     args = ["--device", "cpu", "--small", "--warmup", "0", "--reps", "1", "--backend-a", "auto"]
     assert _recipe("PointPillars").main(args) == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_benchmark_smoke_run(tmp_path, capsys):
+    """benchmarks/bench_pillar_scatter.py end to end on tiny inputs (CPU: reference path)."""
+    from benchmarks import bench_pillar_scatter
+
+    args = ["--smoke", "--out", str(tmp_path), "--cases", "float32"]
+    assert bench_pillar_scatter.main(args) == 0, capsys.readouterr().out
+    assert (tmp_path / "pillar_scatter.smoke.json").is_file()

@@ -477,3 +477,19 @@ def test_native_padded_is_cuda_graph_capturable():
     graph.replay()
     torch.cuda.synchronize()
     _equal(out, mu_space.voxelization_padded(static.cpu(), vs, pcr, P, V, backend="reference"))
+
+
+def test_benchmark_smoke_run(tmp_path, capsys):
+    """benchmarks/bench_voxelization.py end to end on tiny inputs (CPU: reference path)."""
+    from benchmarks import bench_voxelization
+
+    args = [
+        "--smoke",
+        "--quick",
+        "--out",
+        str(tmp_path),
+        "--cases",
+        "centerpoint-0075-nus-(hard-det|dynamic)-float32",
+    ]
+    assert bench_voxelization.main(args) == 0, capsys.readouterr().out
+    assert (tmp_path / "voxelization.smoke.json").is_file()

@@ -1,0 +1,154 @@
+"""mmcv's own voxelization and dynamic-scatter kernels, timed side by side with ours (issue 10).
+
+scripts/build_mmcv_voxel_peer.sh builds mmcv's unmodified CUDA sources (from the ignored folder
+.peers/mmcv/) with a minimal binding into .peers/build/mmcv_voxel_peer.so (MUSPACE_MMCV_VOXEL_PEER
+overrides the path). When it is there and a CUDA GPU is visible, the voxel benchmarks add an
+`<case>-mmcv` case per case with mmcv's whole Python-level call (its new_zeros buffers, the
+launcher, the slices; the backward's zeros_like), checked against our reference, and
+`python -m benchmarks._voxel_peer RESULTS.json ...` prints ours / mmcv per case. Without it the
+benchmarks run unchanged (the missing peer is printed once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+LIBRARY = Path(
+    os.environ.get("MUSPACE_MMCV_VOXEL_PEER", REPO / ".peers" / "build" / "mmcv_voxel_peer.so")
+)
+REDUCE = {"sum": 0, "mean": 1, "max": 2}
+_state: dict = {}
+
+
+def reason() -> str | None:
+    """None when mmcv's kernels can be timed here, else why not."""
+    if "reason" not in _state:
+        why = None
+        if not torch.cuda.is_available():
+            why = "no CUDA GPU"
+        elif not LIBRARY.is_file():
+            why = f"{LIBRARY} not built (bash scripts/build_mmcv_voxel_peer.sh)"
+        else:
+            try:
+                torch.ops.load_library(str(LIBRARY))
+            except Exception as exc:  # an ABI mismatch etc.: report, never fail the benchmark
+                why = f"{LIBRARY} does not load: {exc}"
+        _state["reason"] = why
+        if why is not None:
+            print(f"mmcv voxel peer: {why}; mmcv's kernels are not timed", file=sys.stderr)
+    return _state["reason"]
+
+
+def has(op: str) -> bool:
+    return reason() is None and hasattr(torch.ops.mmcv_voxel_peer, op)
+
+
+def _ops():
+    return torch.ops.mmcv_voxel_peer
+
+
+# ------------------------------------------------------------- mmcv's Python-level calls
+
+
+def voxelization(points, voxel_size, coors_range, max_points, max_voxels, deterministic=True):
+    """mmcv.ops.voxelization (hard): (voxels, coors, num_points_per_voxel)."""
+    return _ops().hard_voxelize(
+        points, list(map(float, voxel_size)), list(map(float, coors_range)), max_points,
+        max_voxels, deterministic,
+    )  # fmt: skip
+
+
+def dynamic_voxelize(points, voxel_size, coors_range):
+    """mmcv.ops.voxelization with max_points = -1: coors [N, 3]."""
+    return _ops().dynamic_voxelize(
+        points, list(map(float, voxel_size)), list(map(float, coors_range))
+    )
+
+
+def scatter_forward(feats, coors, reduce: str):
+    """mmcv's _DynamicScatter.forward: (voxel_feats, voxel_coors, point2voxel, counts)."""
+    return _ops().scatter_forward(feats, coors, REDUCE[reduce])
+
+
+def scatter_backward(grad, feats, voxel_feats, point2voxel, counts, reduce: str):
+    """mmcv's _DynamicScatter.backward: grad_feats."""
+    return _ops().scatter_backward(grad, feats, voxel_feats, point2voxel, counts, REDUCE[reduce])
+
+
+# ------------------------------------------------------------- checks of mmcv's results
+
+
+def same_voxel_sets(max_voxels: int):
+    """A Case.check for mmcv's non-deterministic voxelization, which orders voxels and their
+    points arbitrarily: (coordinate, point count, the sorted rows of the voxel) per voxel
+    compared as sets; when max_voxels cut the voxels, which ones survive is arbitrary too, and
+    only the shapes are compared."""
+
+    def check(out, ref) -> None:
+        (v, c, _), (rv, rc, _) = out, ref
+        assert v.shape == rv.shape and c.shape == rc.shape, (v.shape, rv.shape)
+        if c.shape[0] < max_voxels:
+            _same_sets(out, ref)
+
+    return check
+
+
+def _same_sets(out, ref) -> None:
+    (v, c, n), (rv, rc, rn) = out, ref
+
+    def canon(voxels, coors, num):
+        key = coors.long()
+        order = torch.argsort((key[:, 0] * 2**21 + key[:, 1]) * 2**21 + key[:, 2])
+        vs = voxels[order].float()
+        vs = torch.sort(vs, dim=1).values  # order inside a voxel is free too
+        return coors[order], num[order], vs
+
+    a, b = canon(v.cpu(), c.cpu(), n.cpu()), canon(rv.cpu(), rc.cpu(), rn.cpu())
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), "voxel coordinates / counts differ"
+    assert torch.allclose(a[2], b[2]), "voxel contents differ"
+
+
+def exact(out, ref) -> None:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape and torch.equal(o.cpu(), r.cpu()), "mmcv result differs"
+
+
+def close(out, ref) -> None:
+    from mu_space.testing import tolerances
+
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    for o, r in zip(outs, refs):
+        tolerances.assert_close(o, r, op="dynamic_scatter", name="mmcv")
+
+
+# ------------------------------------------------------------- ratios
+
+
+def ratios(paths: list[str]) -> int:
+    """ours / mmcv per case of the given results JSON files (`<case>` vs `<case>-mmcv`)."""
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        by_name = {r["name"]: r for r in doc["results"]}
+        print(f"== {path}")
+        for name, r in by_name.items():
+            peer = by_name.get(f"{name}-mmcv")
+            if peer is None or r.get("median_us") is None or peer.get("median_us") is None:
+                continue
+            print(
+                f"  {name:48s} ours {r['median_us']:10.1f} us   mmcv {peer['median_us']:10.1f} us"
+                f"   mmcv / ours {peer['median_us'] / r['median_us']:8.1f}x"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(ratios(sys.argv[1:]))
