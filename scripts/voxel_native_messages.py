@@ -90,6 +90,14 @@ def main(argv=None) -> int:
     p.add_argument("library")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    try:
+        import torch
+
+        if torch.cuda.is_available():  # host arrays labelled cuda would reach real launches
+            print("voxel_native_messages: a CUDA device is visible; run this without a GPU")
+            return 2
+    except ImportError:
+        pass
     cases = collect(args.library)
     bad = [k for k, v in cases.items() if RUNTIME not in v["valid"]]
     for name, results in cases.items():

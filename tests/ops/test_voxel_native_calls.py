@@ -40,6 +40,10 @@ class _ReachedRuntime(Exception):
 
 @pytest.fixture(scope="module")
 def library():
+    if torch.cuda.is_available():
+        # with a driver the relabelled host arrays would reach real launches: never on a GPU
+        # machine (the GPU tests cover these calls there for real)
+        pytest.skip("a CUDA device is visible: this check is for machines without a GPU")
     path = native.library_path()
     if not path.is_file():
         pytest.skip(f"no native library at {path}")
