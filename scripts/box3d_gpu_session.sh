@@ -8,7 +8,7 @@
 #                                                        # roiaware_pool3d roipoint_pool3d (default all)
 #
 # Carry the ignored .peers/ folder (mmcv's sources) to the GPU machine for the peer build. The
-# tests and benchmarks run with MUSPACE_BOX3D_TRY_NATIVE=1, so `auto` uses the (still unverified)
+# tests and benchmarks run with MUSPACE_TRY_UNVERIFIED=1, so `auto` uses the (still unverified)
 # kernels too; after a clean run set mu_space/ops/_box3d.py's UNVERIFIED to "".
 # Logs go to $OUT (default ./gpu-out-box3d); benchmark JSON to benchmarks/results/<gpu>/ (the
 # harness's default: commit it), and $OUT/mmcv_ratios.md holds ours vs mmcv per case.
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out-box3d}
 mkdir -p "$OUT"
 case "${1:-}" in build | test | sanitize | bench) ;; *) sed -n '2,17p' "$0"; exit 2 ;; esac
-export PYTHONUNBUFFERED=1 MUSPACE_BOX3D_TRY_NATIVE=1
+export PYTHONUNBUFFERED=1 MUSPACE_TRY_UNVERIFIED=1
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import os
 import struct
 from typing import NamedTuple
 
@@ -30,15 +29,9 @@ import torch
 
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 
-# Every box op's OpDef.unverified, in one place: the GPU session that has run the kernels (tests,
-# sanitizer, benchmarks) sets it to "" (auto then uses them). MUSPACE_BOX3D_TRY_NATIVE=1 (read at
-# import) clears it for one process, so that validation runs exercise the kernels through `auto`
-# too (scripts/box3d_gpu_session.sh).
-UNVERIFIED = (
-    ""
-    if os.environ.get("MUSPACE_BOX3D_TRY_NATIVE") == "1"
-    else "issue 12: compiled by nvcc and clang, not yet run on a GPU"
-)
+# Every box op's OpDef.unverified, in one place: set to "" once the kernels have passed the GPU
+# suite, the sanitizers and the benchmarks (MUSPACE_TRY_UNVERIFIED=1 lets `auto` run them before).
+UNVERIFIED = "issue 12: compiled by nvcc and clang, not yet run on a GPU"
 
 NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_DTYPES = (*NATIVE_DTYPES, torch.float64)
