@@ -5,6 +5,7 @@ Used by `setup.py` (wheel / editable installs) and directly for development buil
 
     python build_utils.py --inplace [-j N]      # build into mu_space/_lib/
     python build_utils.py --plan                # print what would be built and why
+    python build_utils.py --inplace --if-stale  # build only when csrc/ or the toolchain changed
 
 Toolchain choice (first match wins):
 - `MUSPACE_NATIVE=0`            -> no native library (pure-Python install, reference backend)
@@ -27,6 +28,7 @@ package is loaded first at run time, so the loader resolves it by soname.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -57,6 +59,35 @@ def _extension_sources() -> list[str]:
 EXTENSION_SOURCES = _extension_sources()
 
 LIBRARY_FILE = "libmuspace_native.so"
+
+
+def sources_digest() -> str:
+    """sha256 over every file under csrc/ and this file (the flags): what a library was built
+    from, recorded in build_info.json (`--if-stale`, the GPU sessions' carried prebuilt library)."""
+    digest = hashlib.sha256()
+    files = [p for p in (ROOT / "csrc").rglob("*") if p.is_file()] + [ROOT / "build_utils.py"]
+    for path in sorted(files):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def current_build(out_dir: Path, tc: Toolchain) -> dict | None:
+    """The build_info of a library in `out_dir` built from these sources for these archs by
+    this backend, else None."""
+    try:
+        info = json.loads((out_dir / BUILD_INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    same = (
+        (out_dir / LIBRARY_FILE).is_file()
+        and info.get("sources_sha256") == sources_digest()
+        and info.get("backend") == tc.backend
+        and info.get("archs") == tc.archs
+    )
+    return info if same else None
+
+
 BUILD_INFO_FILE = "build_info.json"
 PACKAGE_LIB_DIR = Path("mu_space") / "_lib"
 
@@ -401,6 +432,7 @@ def _compile_and_link(
         "compiler_version": tc.version,
         "tvm_ffi_version": tvm_ffi_version,
         "sources": plan.sources,
+        "sources_sha256": sources_digest(),
         "build_seconds": round(time.time() - started, 1),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -430,6 +462,11 @@ def main(argv=None) -> int:
     parser.add_argument("-j", "--jobs", type=int, default=None)
     parser.add_argument("--plan", action="store_true", help="print the plan and exit")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument(
+        "--if-stale",
+        action="store_true",
+        help="skip the build when the output holds a library of the same csrc/, backend and archs",
+    )
     args = parser.parse_args(argv)
     plan = detect_toolchain()
     progress = Progress()
@@ -450,6 +487,9 @@ def main(argv=None) -> int:
         if plan.toolchain is None:
             return 1
         out = args.out or (ROOT / PACKAGE_LIB_DIR if args.inplace else ROOT / "build" / "lib")
+        if args.if_stale and (info := current_build(out, plan.toolchain)):
+            progress.say(f"mu_space: {out / LIBRARY_FILE} is current (built {info['built_at']})")
+            return 0
         build(plan, out, jobs=args.jobs, verbose=args.verbose, progress=progress)
         return 0
     finally:

@@ -7,11 +7,13 @@ native kernel can run, the reference alone otherwise. Exit status 1 on any failu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import platform
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -74,6 +76,7 @@ def environment(device: torch.device) -> dict:
         "tvm_ffi_built_against": st.tvm_ffi_built,
         "tvm_ffi_runtime": st.tvm_ffi_runtime,
         "native_library": st.path,
+        "native_sources_current": _sources_current(st.build_info),
         "native_unavailable_reason": st.reason or None,
         "native_build_facts": {k: v for k, v in native.build_facts().items() if k != "limits"},
         "native_usable_on_device": native.unavailable_reason(device) is None,
@@ -81,6 +84,19 @@ def environment(device: torch.device) -> dict:
         "strict": kernel_dispatch.is_strict(),
     }
     return env
+
+
+def _sources_current(build_info: dict) -> bool | None:
+    """In a source checkout: whether the loaded library was built from this tree's csrc/ (the
+    digest build_utils.py records); None outside a checkout or for a build without a digest."""
+    root = Path(mu_space.__file__).resolve().parent.parent
+    script = root / "build_utils.py"
+    if not (build_info.get("sources_sha256") and script.is_file() and (root / "csrc").is_dir()):
+        return None
+    spec = importlib.util.spec_from_file_location("_muspace_build_utils", script)
+    build_utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_utils)
+    return build_utils.sources_digest() == build_info["sources_sha256"]
 
 
 def _as_tuple(value) -> tuple:
@@ -157,6 +173,11 @@ def _print_environment(env, table) -> None:
             f"{e}{'' if ok else ' (missing)'}" for e, ok in t["native_entry_points"].items()
         )
         print(f"  {t['op']:20s} {t['family']:10s} auto -> {t['auto_backend_here']:9s} [{entries}]")
+    if env.get("native_sources_current") is False:
+        print(
+            "\nwarning: the native library was built from other sources than this checkout's "
+            "csrc/: rebuild it (python build_utils.py --inplace)"
+        )
     if env.get("tvm_ffi_built_against") and env["tvm_ffi_built_against"] != env["tvm_ffi_runtime"]:
         print(
             f"\nwarning: the native library was built against apache-tvm-ffi "

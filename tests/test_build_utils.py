@@ -1,5 +1,6 @@
 """Toolchain detection and compiler command lines (no compiler is run here)."""
 
+import json
 import os
 import re
 import stat
@@ -163,3 +164,33 @@ def test_built_library_reports_the_limits():
     assert isinstance(facts["bf16"], bool) and facts["compiler"]
     assert {k: facts["limits"].get(k) for k in LIMIT_KEYS} == LIMIT_KEYS
     assert list(facts["limits"]) == sorted(facts["limits"])
+
+
+def test_if_stale_keeps_only_a_library_of_the_same_sources_and_archs(tmp_path):
+    """`--if-stale` (the GPU sessions carry a prebuilt library): a library counts as current only
+    with this tree's csrc/ digest, backend and archs."""
+    tc = build_utils.Toolchain("cuda", "nvcc", ["90a"], "CUDA_ARCH")
+    (tmp_path / build_utils.LIBRARY_FILE).write_bytes(b"")
+    info = {"backend": "cuda", "archs": ["90a"], "sources_sha256": build_utils.sources_digest()}
+    (tmp_path / build_utils.BUILD_INFO_FILE).write_text(json.dumps(info))
+    assert build_utils.current_build(tmp_path, tc) == info
+    other_arch = build_utils.Toolchain("cuda", "nvcc", ["80"], "CUDA_ARCH")
+    assert build_utils.current_build(tmp_path, other_arch) is None
+    for stale in ({"sources_sha256": "0" * 64}, {"backend": "musa"}, {"sources_sha256": None}):
+        (tmp_path / build_utils.BUILD_INFO_FILE).write_text(json.dumps({**info, **stale}))
+        assert build_utils.current_build(tmp_path, tc) is None
+    (tmp_path / build_utils.BUILD_INFO_FILE).write_text(json.dumps(info))
+    (tmp_path / build_utils.LIBRARY_FILE).unlink()
+    assert build_utils.current_build(tmp_path, tc) is None
+
+
+def test_sources_digest_follows_the_csrc_tree(tmp_path, monkeypatch):
+    (tmp_path / "csrc" / "x").mkdir(parents=True)
+    (tmp_path / "build_utils.py").write_text("flags")
+    (tmp_path / "csrc" / "x" / "a.mu").write_text("one")
+    monkeypatch.setattr(build_utils, "ROOT", tmp_path)
+    first = build_utils.sources_digest()
+    (tmp_path / "csrc" / "x" / "a.mu").write_text("two")
+    second = build_utils.sources_digest()
+    (tmp_path / "csrc" / "x" / "a.mu").rename(tmp_path / "csrc" / "x" / "b.mu")
+    assert len({first, second, build_utils.sources_digest()}) == 3

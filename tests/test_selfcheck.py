@@ -84,3 +84,11 @@ def test_dispatch_log_prints_each_decision_to_stderr():
     )
     assert proc.returncode == 0, proc.stderr
     assert "mu_space.dispatch: add_one -> reference (" in proc.stderr
+
+
+def test_selfcheck_says_whether_the_library_was_built_from_this_checkout():
+    import build_utils
+
+    assert selfcheck._sources_current({"sources_sha256": build_utils.sources_digest()}) is True
+    assert selfcheck._sources_current({"sources_sha256": "0" * 64}) is False
+    assert selfcheck._sources_current({}) is None  # a build without a digest
