@@ -94,8 +94,8 @@ def _sources_current(build_info: dict) -> bool | None:
     if not (build_info.get("sources_sha256") and script.is_file() and (root / "csrc").is_dir()):
         return None
     spec = importlib.util.spec_from_file_location("_muspace_build_utils", script)
-    build_utils = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build_utils)
+    build_utils = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(build_utils)  # registered first: its dataclasses look it up
     return build_utils.sources_digest() == build_info["sources_sha256"]
 
 
