@@ -12,6 +12,8 @@
 # kernels too; after a clean run set mu_space/ops/_box3d.py's UNVERIFIED to "".
 # Logs go to $OUT (default ./gpu-out-box3d); benchmark JSON to benchmarks/results/<gpu>/ (the
 # harness's default: commit it), and $OUT/mmcv_ratios.md holds ours vs mmcv per case.
+# A library prebuilt here (CUDA_ARCH=90a python build_utils.py --inplace) and carried
+# (`mu_space/_lib`) is kept when it is current (--if-stale: same csrc/ digest and archs).
 # Env: OUT, CUDA_ARCH (default 90a), PYTEST_ARGS (e.g. "-n 8"), BENCH_ARGS (e.g. "--quick").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +41,7 @@ start=$(date +%s)
 case "$stage" in
   build)
     nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv | tee "$OUT/gpu.txt"
-    python3 build_utils.py --inplace -j "$(nproc)" 2>&1 | tee "$OUT/build.log"
+    python3 build_utils.py --inplace --if-stale -j "$(nproc)" 2>&1 | tee "$OUT/build.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
     python3 -m mu_space 2>&1 | tee "$OUT/selfcheck.txt" | grep -E "box3d|FAIL" | head -40
     if [ -d .peers/mmcv ]; then

@@ -7,6 +7,8 @@
 #    the whole test suite including GPU tests, 5. compute-sanitizer memcheck + racecheck over a
 #    small subset (the strict self-check, the contract fuzz tests with 20 cases; on by default,
 #    --no-sanitizer skips it), 6. optionally the benchmarks.
+# A library prebuilt here (CUDA_ARCH=90a python build_utils.py --inplace) and carried
+# (`mu_space/_lib`) is kept when it is current (--if-stale: same csrc/ digest and archs).
 # Logs and results go to $OUT (default ./gpu-out); sanitizer logs are $OUT/sanitizer_*.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +37,7 @@ status=0
 
 nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv | tee "$OUT/gpu.txt"
 start=$(date +%s)
-python3 build_utils.py --inplace -j "$(nproc)" 2>&1 | tee "$OUT/build.log" || exit 1
+python3 build_utils.py --inplace --if-stale -j "$(nproc)" 2>&1 | tee "$OUT/build.log" || exit 1
 echo "build wall time: $(( $(date +%s) - start )) s" | tee -a "$OUT/build.log"
 
 python3 -m mu_space --strict 2>&1 | tee "$OUT/selfcheck.txt" || status=1

@@ -18,6 +18,8 @@
 # After `test` and `sanitize` pass: remove `unverified` (the ops listed above), then run
 # `test` again: the contract tests' fuzz then compares native (`auto`) with the reference too.
 #
+# A library prebuilt here (CUDA_ARCH=90a python build_utils.py --inplace) and carried
+# (`mu_space/_lib`) is kept when it is current (--if-stale: same csrc/ digest and archs).
 # Estimated times on the H200 (16 cores): build ~3-4 min (the library; the peer ~1 min), test
 # ~3-5 min, sanitize ~5-8 min, bench ~5-8 min (--quick: ~2 min), recipes ~2 min.
 set -uo pipefail
@@ -39,7 +41,7 @@ status=0
 case "${1:-}" in
   build)
     nvidia-smi --query-gpu=name,driver_version,compute_cap --format=csv | tee "$OUT/gpu.txt"
-    CUDA_ARCH=${CUDA_ARCH:-90a} python3 build_utils.py --inplace -j "$(nproc)" 2>&1 \
+    CUDA_ARCH=${CUDA_ARCH:-90a} python3 build_utils.py --inplace --if-stale -j "$(nproc)" 2>&1 \
       | tee "$OUT/build.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
     CUDA_ARCH=${CUDA_ARCH:-90a} bash scripts/build_mmcv_voxel_peer.sh 2>&1 | tee "$OUT/peer.log"
