@@ -11,47 +11,20 @@ benchmarks run unchanged (the missing peer is printed once).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
+from benchmarks._peer import PeerLibrary, ratio_table
 from benchmarks.harness import Case
 
-REPO = Path(__file__).resolve().parent.parent
-LIBRARY = Path(
-    os.environ.get("MUSPACE_MMCV_PEER", REPO / ".peers" / "build" / "mmcv_box3d_peer.so")
-)
-_state: dict = {}
-
-
-def reason() -> str | None:
-    """None when mmcv's kernels can be timed here, else why not."""
-    if "reason" not in _state:
-        why = None
-        if not torch.cuda.is_available():
-            why = "no CUDA GPU"
-        elif not LIBRARY.is_file():
-            why = f"{LIBRARY} not built (bash scripts/build_mmcv_box3d_peer.sh)"
-        else:
-            try:
-                torch.ops.load_library(str(LIBRARY))
-            except Exception as exc:  # an ABI mismatch etc.: report, never fail the benchmark
-                why = f"{LIBRARY} does not load: {exc}"
-        _state["reason"] = why
-        if why is not None:
-            print(f"mmcv peer: {why}; mmcv's kernels are not timed", file=sys.stderr)
-    return _state["reason"]
-
-
-def has(op: str) -> bool:
-    return reason() is None and hasattr(torch.ops.mmcv_box3d_peer, op)
+PEER = PeerLibrary("mmcv_box3d_peer", "MUSPACE_MMCV_PEER", "scripts/build_mmcv_box3d_peer.sh")
+reason = PEER.reason
+has = PEER.has
 
 
 def _ops():
-    return torch.ops.mmcv_box3d_peer
+    return PEER.ops
 
 
 # ------------------------------------------------------------- mmcv's Python-level calls
@@ -212,23 +185,6 @@ def peer_case(ours: Case, fn, check=None, make_args=None) -> Case:
         check=check,
         time_reference=False,
     )
-
-
-def ratio_table(paths: list[str]) -> str:
-    """ours / mmcv medians of every case with a `-mmcv` twin in the given results files."""
-    lines = ["| case | ours (µs) | mmcv (µs) | mmcv / ours |", "| --- | --- | --- | --- |"]
-    for path in paths:
-        doc = json.loads(Path(path).read_text())
-        by_name = {r["name"]: r for r in doc["results"]}
-        for name, r in by_name.items():
-            peer = by_name.get(f"{name}-mmcv")
-            if peer is None or r.get("median_us") is None or peer.get("median_us") is None:
-                continue
-            ratio = peer["median_us"] / r["median_us"]
-            lines.append(
-                f"| {name} | {r['median_us']:.1f} | {peer['median_us']:.1f} | {ratio:.1f}x |"
-            )
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -11,46 +11,20 @@ benchmarks run unchanged (the missing peer is printed once).
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-LIBRARY = Path(
-    os.environ.get("MUSPACE_MMCV_VOXEL_PEER", REPO / ".peers" / "build" / "mmcv_voxel_peer.so")
-)
+from benchmarks._peer import PeerLibrary, ratio_table
+
+PEER = PeerLibrary("mmcv_voxel_peer", "MUSPACE_MMCV_VOXEL_PEER", "scripts/build_mmcv_voxel_peer.sh")
 REDUCE = {"sum": 0, "mean": 1, "max": 2}
-_state: dict = {}
-
-
-def reason() -> str | None:
-    """None when mmcv's kernels can be timed here, else why not."""
-    if "reason" not in _state:
-        why = None
-        if not torch.cuda.is_available():
-            why = "no CUDA GPU"
-        elif not LIBRARY.is_file():
-            why = f"{LIBRARY} not built (bash scripts/build_mmcv_voxel_peer.sh)"
-        else:
-            try:
-                torch.ops.load_library(str(LIBRARY))
-            except Exception as exc:  # an ABI mismatch etc.: report, never fail the benchmark
-                why = f"{LIBRARY} does not load: {exc}"
-        _state["reason"] = why
-        if why is not None:
-            print(f"mmcv voxel peer: {why}; mmcv's kernels are not timed", file=sys.stderr)
-    return _state["reason"]
-
-
-def has(op: str) -> bool:
-    return reason() is None and hasattr(torch.ops.mmcv_voxel_peer, op)
+reason = PEER.reason
+has = PEER.has
 
 
 def _ops():
-    return torch.ops.mmcv_voxel_peer
+    return PEER.ops
 
 
 # ------------------------------------------------------------- mmcv's Python-level calls
@@ -133,22 +107,5 @@ def close(out, ref) -> None:
 # ------------------------------------------------------------- ratios
 
 
-def ratios(paths: list[str]) -> int:
-    """ours / mmcv per case of the given results JSON files (`<case>` vs `<case>-mmcv`)."""
-    for path in paths:
-        doc = json.loads(Path(path).read_text())
-        by_name = {r["name"]: r for r in doc["results"]}
-        print(f"== {path}")
-        for name, r in by_name.items():
-            peer = by_name.get(f"{name}-mmcv")
-            if peer is None or r.get("median_us") is None or peer.get("median_us") is None:
-                continue
-            print(
-                f"  {name:48s} ours {r['median_us']:10.1f} us   mmcv {peer['median_us']:10.1f} us"
-                f"   mmcv / ours {peer['median_us'] / r['median_us']:8.1f}x"
-            )
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(ratios(sys.argv[1:]))
+    print(ratio_table(sys.argv[1:]))
