@@ -103,8 +103,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def f32_nearest(x: float) -> float:
-    """x rounded to float32 (what a C++ `float` parameter receives): mmcv's NMS threshold."""
-    return struct.unpack("<f", struct.pack("<f", x))[0] if math.isfinite(x) else x
+    """x rounded to float32 (what a C++ `float` parameter receives): mmcv's NMS threshold;
+    +-inf from the rounding midpoint above the largest float32 on (struct refuses those)."""
+    if not math.isfinite(x):
+        return x
+    if abs(x) >= 3.4028235677973366e38:
+        return math.copysign(math.inf, x)
+    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 def f32_down(x: float) -> float:

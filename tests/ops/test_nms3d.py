@@ -111,6 +111,11 @@ def test_thresholds_nan_negative_and_the_float32_rounding(dets):
     d = _box3d.f32_down(0.1)
     assert d <= 0.1 and float(torch.tensor(d, dtype=torch.float32)) == d
     assert _box3d.f32_down(0.5) == 0.5 and math.isnan(_box3d.f32_down(math.nan))
+    # beyond float32's range a C++ float is +-inf (struct.pack raised OverflowError here)
+    assert nms3d(boxes, scores, 1e39).shape == (n,)
+    assert nms3d(boxes, scores, -1e39).tolist() == [int(scores.argmax())]
+    assert _box3d.f32_nearest(3.4028235677973366e38) == math.inf
+    assert _box3d.f32_nearest(-3.40282356779733e38) == -3.4028234663852886e38
 
 
 def test_non_finite_and_degenerate_boxes(dets):
