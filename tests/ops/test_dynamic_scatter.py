@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from mu_space.ops.dynamic_scatter import (
 from mu_space.ops.voxel_layers import DynamicScatter
 from mu_space.testing import lidar
 from tests.helpers import assert_close, native_gpu_device
+from tests.ops import _voxel_model as model
 from tests.ops import _voxel_oracle as oracle
 
 ds = sys.modules["mu_space.ops.dynamic_scatter"]
@@ -174,6 +176,126 @@ def test_dynamic_scatter_module_is_mmcvs():
     c3 = coors4[coors4[:, 0] == 0][:, 1:]
     f3 = feats[coors4[:, 0] == 0]
     assert torch.equal(single(f3, c3)[0], mu_space.dynamic_scatter(f3, c3, "max")[0])
+
+
+# ---------------------------------------------------------------- the kernels' algorithm
+
+INT32_MAX = 2**31 - 1
+
+
+def _model_group(coors, *, tile=1024, digit_bits=11):
+    """csrc/voxel/dynamic_scatter_musa.mu's voxel_group_forward, kernel by kernel (colmax,
+    keys, the 31-bit radix sort of _voxel_model, run flags + scan, emit, counts): (voxel_coors,
+    order, starts, counts, point2voxel) cut to the header's M / K, and the overflow flag."""
+    c = coors.numpy().astype(np.int64)
+    n, ndim = c.shape
+    valid = (c >= 0).all(axis=1)
+    # colmax_kernel: column maxima of the valid rows (0 without any), int32 overflow flag
+    overflow = bool((c[valid] > INT32_MAX).any())
+    colmax = np.where(c[valid] > INT32_MAX, 0, c[valid]).max(axis=0) if valid.any() else 0
+    dims = np.zeros(ndim, dtype=np.int64) + colmax + 1
+    key_range = 1
+    for d in dims:  # group_keys_kernel: prod(dims), stopped once beyond the int32 keys
+        key_range = key_range * int(d) if key_range <= INT32_MAX - 1 else key_range
+    overflow = overflow or key_range > INT32_MAX - 1
+    sentinel = 0 if overflow else key_range
+    keys = np.full(n, sentinel, dtype=np.int64)
+    if not overflow:
+        k = np.zeros(n, dtype=np.int64)
+        for col in range(ndim):
+            k = k * dims[col] + c[:, col]
+        keys = np.where(valid, k, sentinel)
+    skeys, idx = model.radix_sort(keys, 31, tile=tile, digit_bits=digit_bits)
+    start = (skeys != sentinel) & np.concatenate([[True], skeys[1:] != skeys[:-1]])
+    run, m = model.exclusive_scan(start.astype(np.int64))  # run_flags_kernel + scan
+    K = int(valid.sum())
+    # group_emit_kernel
+    order = np.full(n, -7, dtype=np.int64)
+    starts = np.full(n, -7, dtype=np.int64)
+    vcoors = np.full((n, ndim), -7, dtype=np.int64)
+    p2v = np.full(n, -7, dtype=np.int64)
+    for p in range(n):
+        i = idx[p]
+        if skeys[p] == sentinel:
+            p2v[i] = -1
+            continue
+        v = run[p] + int(start[p]) - 1
+        order[p] = i
+        p2v[i] = v
+        if start[p]:
+            starts[v] = p
+            vcoors[v] = c[i]
+    # group_counts_kernel
+    counts = np.array([(starts[v + 1] if v + 1 < m else K) - starts[v] for v in range(m)])
+    out = (vcoors[:m], order[:K], starts[:m], counts.astype(np.int64), p2v)
+    return tuple(torch.from_numpy(np.asarray(t)) for t in out), overflow
+
+
+def _model_reduce(feats, order, starts, counts, reduce):
+    """segment_reduce_kernel / segment_grad_max_kernel: per (voxel, channel) a float32 loop over
+    the voxel's rows in order (max: NaN never wins, the first row holding the maximum)."""
+    x = feats.float().numpy()
+    m, C = starts.shape[0], x.shape[1]
+    out = np.zeros((m, C), dtype=np.float32)
+    arg = np.full((m, C), -1, dtype=np.int64)
+    for v in range(m):
+        rows = order[int(starts[v]) : int(starts[v]) + int(counts[v])].numpy()
+        for ch in range(C):
+            acc = np.float32(-np.inf) if reduce == "max" else np.float32(0)
+            best, a = np.float32(-np.inf), -1
+            for i in rows:
+                xi = x[i, ch]
+                if reduce == "max":
+                    acc = xi if xi > acc else acc
+                else:
+                    acc = np.float32(acc + xi)
+                if xi > best or (a < 0 and xi == best):
+                    best, a = xi, i
+            if reduce == "mean":
+                acc = np.float32(acc / np.float32(max(int(counts[v]), 1)))
+            out[v, ch], arg[v, ch] = acc, a
+    return torch.from_numpy(out), arg
+
+
+@pytest.mark.parametrize("tile,digit_bits", [(1024, 11), (64, 3)])
+@pytest.mark.parametrize("with_batch,dtype", [(False, torch.int32), (True, torch.int64)])
+def test_kernel_model_group_and_reduce(tile, digit_bits, with_batch, dtype):
+    """The numpy model of the voxel_group / segment_reduce kernels equals the references (the
+    grouping exactly; sums and means of float32 in input order bit for bit; max and its
+    backward's first-row rule exactly, NaN and -inf included)."""
+    feats, coors = _inputs(clouds=2 if with_batch else 1, with_batch=with_batch)
+    coors = coors.to(dtype)
+    feats = feats.clone()
+    feats[::17, 3] = float("nan")
+    feats[5::23, 4] = -float("inf")
+    got, overflow = _model_group(coors, tile=tile, digit_bits=digit_bits)
+    want = voxel_group(coors, backend="reference")
+    assert not overflow
+    for a, b in zip(got, want):
+        assert torch.equal(a, b.to(torch.int64))
+    for reduce in ("sum", "mean", "max"):
+        out, arg = _model_reduce(feats, want.order, want.starts, want.counts, reduce)
+        args = (feats, want.order, want.starts, want.counts, want.point2voxel, reduce)
+        ref = segment_reduce(*args, backend="reference")
+        torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+        if reduce == "max":
+            f = feats.clone().requires_grad_(True)
+            g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+            segment_reduce(f, *args[1:], backend="reference").backward(g)
+            want_grad = torch.zeros_like(feats)
+            v, ch = np.nonzero(arg >= 0)
+            want_grad[arg[v, ch], ch] = g[v, ch]
+            assert torch.equal(f.grad, want_grad)
+
+
+def test_kernel_model_group_overflow_and_all_dropped():
+    huge = torch.tensor([[0, 2**30, 5], [0, 2**30, 5], [7, 0, 2**31 - 1], [-3, 0, 0]])
+    for c in (huge, huge.int()):
+        got, overflow = _model_group(c)
+        assert overflow and got[0].shape[0] == 0  # M = 0: the Python layer takes the reference
+    got, overflow = _model_group(torch.tensor([[-1, 0, 0], [0, -1, 2]], dtype=torch.int32))
+    assert not overflow and [t.shape[0] for t in got] == [0, 0, 0, 0, 2]
+    assert got[4].tolist() == [-1, -1]
 
 
 # ---------------------------------------------------------------- native (GPU)
