@@ -78,8 +78,9 @@ __device__ __forceinline__ RoiBox load_roi(const T* __restrict__ rois, int64_t r
   return b;
 }
 
+// The integer min matters from size > 2^24 on: float(size - 1) may round up to size there.
 __device__ __forceinline__ int voxel_index(float q, int size) {
-  return static_cast<int>(fminf(fmaxf(q, 0.0f), static_cast<float>(size - 1)));
+  return min(static_cast<int>(fminf(fmaxf(q, 0.0f), static_cast<float>(size - 1))), size - 1);
 }
 
 // count (kFill = false): cell_count[cell] += 1 per (point, RoI inside);

@@ -67,8 +67,9 @@ def _check_map(rois, pts, out_size, max_pts_per_voxel) -> _opdef.Checked:
 
 
 def _voxel_index(q: torch.Tensor, size: int) -> torch.Tensor:
-    """box3d's voxel_index: int(clamp(q, 0, size - 1)), NaN -> 0 (mmcv's CUDA conversion)."""
-    return torch.nan_to_num(q, nan=0.0).clamp(0, size - 1).long()
+    """box3d's voxel_index: int(clamp(q, 0, size - 1)), NaN -> 0 (mmcv's CUDA conversion); the
+    integer clamp again (from size > 2^24 on, float(size - 1) may round up to size)."""
+    return torch.nan_to_num(q, nan=0.0).clamp(0, size - 1).long().clamp(max=size - 1)
 
 
 def map_reference(rois, pts, out_size, max_pts_per_voxel):

@@ -155,6 +155,31 @@ def test_module_empty_inputs_and_degenerate_rois(inputs):
     assert roiaware_pool3d(far, pts, feats, 4, 128, "avg").abs().sum() == 0
 
 
+def _edge_voxel_inputs():
+    """One RoI, out_size (2^24 + 4, 1, 1): float(ox - 1) rounds up to ox, so a float clamp alone
+    let points near the +x face land in voxel ox (cell N * V: past every cell array)."""
+    rois = torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]])
+    xs = torch.tensor([0.5 - 2.0**-k for k in range(2, 30)])
+    pts = torch.stack([xs, torch.zeros_like(xs), torch.full_like(xs, 0.5)], 1)
+    return rois, pts, [2**24 + 4, 1, 1]
+
+
+def test_voxel_index_stays_below_out_size_above_2_pow_24():
+    rois, pts, out = _edge_voxel_inputs()
+    start, count, plist = roiaware_pool3d_map(rois, pts, out, 4, backend="reference")
+    V = math.prod(out)
+    assert start.shape == (V,) and count.shape == (V,)
+    assert int(count[-1]) > 0  # the points at the +x face: the last voxel
+
+
+def test_native_voxel_index_stays_below_out_size_above_2_pow_24():
+    device = native_gpu_device()
+    rois, pts, out = _edge_voxel_inputs()
+    got = roiaware_pool3d_map(rois.to(device), pts.to(device), out, 4, backend="native")
+    want = roiaware_pool3d_map(rois, pts, out, 4, backend="reference")
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
