@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(kThreads)
                 int batches, int n_points, int n_boxes) {
   __shared__ PointBox s_box[kPartBoxTile];
   __shared__ int s_pending;
-  const int m = blockIdx.x * kThreads + threadIdx.x;
+  // int64: the last block's threads reach n_points + kThreads - 1 (n_points <= INT_MAX)
+  const int64_t m = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   for (int b = blockIdx.y; b < batches; b += gridDim.y) {
     const bool valid = m < n_points;
     float x = 0.0f, y = 0.0f, z = 0.0f;

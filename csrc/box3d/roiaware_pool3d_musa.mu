@@ -91,7 +91,8 @@ __global__ void __launch_bounds__(kThreads)
                const int64_t* __restrict__ cell_start, int* __restrict__ point_list,
                int64_t list_len, int64_t n_rois, int n_points, int ox, int oy, int oz) {
   __shared__ RoiBox s_roi[kRoiTile];
-  const int p = blockIdx.x * kThreads + threadIdx.x;
+  // int64: the last block's threads reach n_points + kThreads - 1 (n_points <= INT_MAX)
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   float x = 0.0f, y = 0.0f, z = 0.0f;
   if (p < n_points) {
     x = to_float(pts[static_cast<int64_t>(p) * 3]);
@@ -117,7 +118,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t cell = (r0 + k) * voxels + (static_cast<int64_t>(ix) * oy + iy) * oz + iz;
       if (kFill) {
         const int64_t pos = cell_start[cell] + atomicAdd(&counter[cell], 1);
-        if (pos >= 0 && pos < list_len) point_list[pos] = p;
+        if (pos >= 0 && pos < list_len) point_list[pos] = static_cast<int>(p);
       } else {
         atomicAdd(&counter[cell], 1);
       }

@@ -47,7 +47,8 @@ __global__ void __launch_bounds__(kThreads)
                 uint32_t* __restrict__ bits, int batches, int n_points, int n_boxes, int words) {
   __shared__ PointBox s_box[kBitsBoxes];
   __shared__ uint32_t s_words[kBitsBoxes * kWordsPerBlock];
-  const int p = blockIdx.x * kThreads + threadIdx.x;
+  // int64: the last block's threads reach n_points + kThreads - 1
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int m0 = blockIdx.y * kBitsBoxes;
   const int nm = min(kBitsBoxes, n_boxes - m0);
   for (int b = blockIdx.z; b < batches; b += gridDim.z) {
