@@ -462,9 +462,11 @@ void check_slices(const TensorView& cell_start, const TensorView& cell_count,
   check_ndim(point_list, "point_list", 1);
 }
 
+// int32 when every offset fits; n_out <= INT_MAX / 2 also keeps the grid-stride step
+// e += gridDim.x * blockDim.x (far below 2^30 threads) from overflowing int32.
 template <class F>
 void dispatch_index_width(int64_t n_out, int64_t n_points, int64_t channels, F&& f) {
-  if (n_out < INT_MAX && n_points * std::max<int64_t>(channels, 1) < INT_MAX) {
+  if (n_out <= INT_MAX / 2 && n_points * std::max<int64_t>(channels, 1) < INT_MAX) {
     f(int32_t{});
   } else {
     f(int64_t{});

@@ -236,8 +236,9 @@ void forward(TensorView points, TensorView point_features, TensorView boxes3d, T
           data_of<const int>(empty), data_of<T>(pooled), static_cast<I>(n_out), static_cast<I>(P),
           static_cast<I>(M), static_cast<I>(S), static_cast<I>(C));
     };
-    // 32-bit index arithmetic when every offset fits (the common case: cheaper divisions)
-    if (n_out < INT_MAX && B * P * std::max<int64_t>(C, 3) < INT_MAX) {
+    // 32-bit index arithmetic when every offset fits (the common case: cheaper divisions);
+    // n_out <= INT_MAX / 2 also keeps the grid-stride step e += grid * block from overflowing
+    if (n_out <= INT_MAX / 2 && B * P * std::max<int64_t>(C, 3) < INT_MAX) {
       launch(int32_t{});
     } else {
       launch(int64_t{});
