@@ -3,7 +3,8 @@
 The stand-ins sit at the upstream dotted paths (mmcv.ops.multi_scale_deform_attn,
 mmdet3d.ops.bev_pool_v2.bev_pool, mmdet3d.models.necks.view_transformer,
 mmdet3d.ops.bev_pool.bev_pool, mmcv.ops.voxelize, mmcv.ops.scatter_points, mmcv._ext,
-mmdet3d.models.middle_encoders.pillar_scatter and their re-exports) with the upstream
+mmdet3d.models.middle_encoders.pillar_scatter and their re-exports; the box3d ones of
+tests/test_patcher_box3d.py, whose tests are there) with the upstream
 signatures. Their bodies are small vectorised implementations of the documented upstream
 semantics written for these tests (the MSDA stand-ins use mu_space's reference, a grid_sample
 implementation of mmcv's rule; the voxel stand-ins use tests/ops/_voxel_oracle, mmcv's rules as
@@ -29,6 +30,7 @@ from mu_space.runtime.kernel_dispatch import BACKENDS
 from mu_space.testing import bev_geometry, bev_pool_inputs, lidar, msda_inputs
 from tests.helpers import assert_close, native_gpu_device
 from tests.ops import _voxel_oracle as oracle
+from tests.test_patcher_box3d import BOX3D_PATCHES, install_box3d_upstream
 
 VOXEL_PATCHES = {
     "mmcv.voxelization",
@@ -41,13 +43,17 @@ VOXEL_PATCHES = {
     "mmcv._ext.dynamic_point_to_voxel_backward",
     "mmdet3d.PointPillarsScatter",
 }
-ALL = {
-    "mmcv.MultiScaleDeformableAttnFunction",
-    "mmcv.multi_scale_deformable_attn_pytorch",
-    "bevdet.bev_pool_v2",
-    "bevdet.voxel_pooling_prepare_v2",
-    "bevfusion.bev_pool",
-} | VOXEL_PATCHES
+ALL = (
+    {
+        "mmcv.MultiScaleDeformableAttnFunction",
+        "mmcv.multi_scale_deformable_attn_pytorch",
+        "bevdet.bev_pool_v2",
+        "bevdet.voxel_pooling_prepare_v2",
+        "bevfusion.bev_pool",
+    }
+    | VOXEL_PATCHES
+    | BOX3D_PATCHES
+)
 ON_BY_DEFAULT = ALL - {"mmcv.multi_scale_deformable_attn_pytorch"}
 
 # Patched vs stand-in on the CPU: both sides are float32 sums of the same products in another
@@ -478,17 +484,18 @@ def upstream(monkeypatch):
         bevfusion=_install_bevfusion(monkeypatch),
         voxel=_install_mmcv_voxel(monkeypatch),
         pillars=_install_mmdet3d_pillars(monkeypatch),
+        box3d=install_box3d_upstream(monkeypatch),  # tests/test_patcher_box3d.py
     )
 
 
 @pytest.fixture
 def absent(monkeypatch):
-    """No mmcv / mmdet3d importable, even if they are installed here."""
+    """No mmcv / mmdet3d / OpenPCDet importable, even if they are installed here."""
     for name in list(sys.modules):
-        if name.split(".")[0] in ("mmcv", "mmdet3d"):
+        if name.split(".")[0] in ("mmcv", "mmdet3d", "pcdet"):
             monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "mmcv", None)
-    monkeypatch.setitem(sys.modules, "mmdet3d", None)
+    for top in ("mmcv", "mmdet3d", "pcdet"):
+        monkeypatch.setitem(sys.modules, top, None)
 
 
 def _status(results):

@@ -66,6 +66,7 @@ OP = _opdef.define(
         samples=_samples,
         unverified=_UNVERIFIED,
         upstream="mmcv `box_iou_rotated`",
+        patches=("mmcv.box_iou_rotated",),
         models="mmdet3d / mmrotate rotated assigners, mmcv nms_rotated users",
         doc="docs/operators/boxes_overlap_bev.md",
     )

@@ -66,6 +66,7 @@ OP = _opdef.define(
         samples=_samples,
         unverified=_UNVERIFIED,
         upstream="mmdet3d / CenterPoint `circle_nms`",
+        patches=("mmdet3d.circle_nms", "mmdet3d.core.circle_nms"),
         models="CenterPoint (nms_type='circle', nuScenes)",
         doc="docs/operators/circle_nms.md",
     )

@@ -96,6 +96,12 @@ OVERLAP = _opdef.define(
         samples=_pair_samples(7, lambda t: t),
         unverified=_UNVERIFIED,
         upstream="mmcv `boxes_overlap_bev`",
+        patches=(
+            "mmcv.boxes_overlap_bev",
+            "mmcv._ext.iou3d_boxes_overlap_bev_forward",
+            "pcdet.boxes_iou_bev",
+            "pcdet.boxes_bev_iou_cpu",
+        ),
         models="mmdet3d boxes_iou3d / BboxOverlaps3D, PartA2 / PV-RCNN target assignment",
         doc="docs/operators/boxes_overlap_bev.md",
     )
@@ -136,6 +142,7 @@ IOU_BEV = _opdef.define(
         samples=_pair_samples(5, lambda t: _xyxyr(t)),
         unverified=_UNVERIFIED,
         upstream="mmcv `boxes_iou_bev` (iou3d)",
+        patches=("mmcv.boxes_iou_bev",),
         models="mmdet3d (deprecated path), SECOND / PointPillars assigners",
         doc="docs/operators/boxes_overlap_bev.md",
     )
@@ -312,6 +319,7 @@ NMS3D = _opdef.define(
         native=_nat3,
         samples=_nms_samples("3d"),
         upstream="mmcv `nms3d`",
+        patches=("mmcv.nms3d", "pcdet.nms_gpu"),
         models="mmdet3d box3d_multiclass_nms (PointPillars, SECOND, PartA2, CenterPoint)",
         **_NMS_COMMON,
     )
@@ -327,6 +335,7 @@ NMS3D_NORMAL = _opdef.define(
         native=_natn,
         samples=_nms_samples("3d"),
         upstream="mmcv `nms3d_normal`",
+        patches=("mmcv.nms3d_normal", "pcdet.nms_normal_gpu"),
         models="mmdet3d box3d_multiclass_nms with use_rotate_nms=False",
         **_NMS_COMMON,
     )
@@ -342,6 +351,7 @@ NMS_BEV = _opdef.define(
         native=_nms_bev_native,
         samples=_nms_samples("bev"),
         upstream="mmcv / mmdet3d `nms_bev`",
+        patches=("mmcv.nms_bev", "mmdet3d.nms_bev", "mmdet3d.core.nms_bev"),
         models="mmdet3d CenterPoint (nms_type='rotate'), box3d_multiclass_nms",
         **_NMS_COMMON,
     )

@@ -114,6 +114,7 @@ PART = _opdef.define(
         supports=_supports_part,
         entry_points=("points_in_boxes_part_forward",),
         upstream="mmcv `points_in_boxes_part`",
+        patches=("mmcv.points_in_boxes_part", "pcdet.points_in_boxes_gpu"),
         **_COMMON,
     )
 )
@@ -127,6 +128,7 @@ ALL = _opdef.define(
         supports=_supports_all,
         entry_points=("points_in_boxes_all_forward",),
         upstream="mmcv `points_in_boxes_all`",
+        patches=("mmcv.points_in_boxes_all", "pcdet.points_in_boxes_cpu"),
         **_COMMON,
     )
 )
@@ -146,6 +148,7 @@ CPU = _opdef.define(
         supports=_supports_all,
         entry_points=("points_in_boxes_all_forward",),
         upstream="mmcv `points_in_boxes_cpu`",
+        patches=("mmcv.points_in_boxes_cpu",),
         **_COMMON,
     )
 )

@@ -492,6 +492,7 @@ OP = _opdef.define(
         samples=_samples,
         unverified=_UNVERIFIED,
         upstream="mmcv `RoIAwarePool3d`",
+        patches=("mmcv.RoIAwarePool3d",),
         models="PartA2 (mmdet3d PartAggregationROIHead), LiDAR RCNN-style RoI heads",
         doc="docs/operators/roiaware_pool3d.md",
     )

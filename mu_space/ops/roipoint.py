@@ -112,6 +112,7 @@ OP = _opdef.define(
         samples=_samples,
         unverified=_UNVERIFIED,
         upstream="mmcv `RoIPointPool3d`",
+        patches=("mmcv.RoIPointPool3d",),
         models="PointRCNN, PartA2 (mmdet3d point-based RoI heads)",
         doc="docs/operators/roipoint_pool3d.md",
     )

@@ -1,4 +1,5 @@
-"""The default patches: upstream call sites of mmcv, BEVDet and BEVFusion that muSPACE replaces.
+"""The default patches: upstream call sites of mmcv, mmdet3d, BEVDet, BEVFusion and OpenPCDet
+that muSPACE replaces.
 
     from mu_space.patcher import default_patcher
     default_patcher().apply()
@@ -24,6 +25,19 @@ Patch names (for `Patcher.disable` / `enable`):
     mmcv._ext.dynamic_point_to_voxel_forward  on   mmcv._ext
     mmcv._ext.dynamic_point_to_voxel_backward on   mmcv._ext
     mmdet3d.PointPillarsScatter               on   mmdet3d.models.middle_encoders.pillar_scatter
+    mmcv.points_in_boxes_part / _all / _cpu   on   mmcv.ops.points_in_boxes (+ mmcv.ops)
+    mmcv.boxes_overlap_bev / boxes_iou_bev    on   mmcv.ops.iou3d (+ mmcv.ops)
+    mmcv.nms_bev / nms3d / nms3d_normal       on   mmcv.ops.iou3d (+ mmcv.ops)
+    mmcv._ext.iou3d_boxes_overlap_bev_forward on   mmcv._ext (mmcv's boxes_iou3d)
+    mmcv.box_iou_rotated                      on   mmcv.ops.box_iou_rotated (+ mmcv.ops)
+    mmcv.RoIAwarePool3d / RoIPointPool3d      on   mmcv.ops.roiaware_pool3d / roipoint_pool3d
+    mmdet3d.nms_bev / circle_nms              on   mmdet3d.models.layers.box3d_nms (1.x)
+    mmdet3d.core.nms_bev / circle_nms         on   mmdet3d.core.post_processing.box3d_nms (0.x)
+    pcdet.boxes_iou_bev / boxes_bev_iou_cpu   on   pcdet.ops.iou3d_nms.iou3d_nms_utils
+    pcdet.nms_gpu / nms_normal_gpu            on   pcdet.ops.iou3d_nms.iou3d_nms_utils
+    pcdet.points_in_boxes_gpu / _cpu          on   pcdet.ops.roiaware_pool3d.roiaware_pool3d_utils
+
+Declined call sites (no patch) and the reasons: `DECLINED` below.
 """
 
 from __future__ import annotations
@@ -105,6 +119,32 @@ EXT_SCATTER_BACKWARD_PARAMS = (
     ),
 )  # fmt: skip
 PILLAR_FORWARD_PARAMS = (("self", "voxel_features", "coors", "batch_size"),)
+
+# box3d (issue 12): mmcv 1.x (>= 1.6 for nms3d / boxes_overlap_bev) and 2.x use these paths
+POINTS_IN_BOXES_MODULE = "mmcv.ops.points_in_boxes"
+IOU3D_MODULE = "mmcv.ops.iou3d"
+BOX_IOU_ROTATED_MODULE = "mmcv.ops.box_iou_rotated"
+ROIAWARE_MODULE = "mmcv.ops.roiaware_pool3d"
+ROIPOINT_MODULE = "mmcv.ops.roipoint_pool3d"
+MMDET3D_NMS_MODULE = "mmdet3d.models.layers.box3d_nms"  # mmdet3d 1.x
+MMDET3D_CORE_NMS_MODULE = "mmdet3d.core.post_processing.box3d_nms"  # mmdet3d 0.x / 1.0.0rc
+PCDET_IOU3D_MODULE = "pcdet.ops.iou3d_nms.iou3d_nms_utils"
+PCDET_ROIAWARE_MODULE = "pcdet.ops.roiaware_pool3d.roiaware_pool3d_utils"
+POINTS_BOXES_PARAMS = (("points", "boxes"),)
+BOX_PAIR_PARAMS = (("boxes_a", "boxes_b"),)
+NMS_BEV_PARAMS = (("boxes", "scores", "thresh", "pre_max_size", "post_max_size"),)
+NMS3D_PARAMS = (("boxes", "scores", "iou_threshold"),)
+# mmcv 2.x / late 1.x with `clockwise`; early mmcv 1.x without it
+BOX_IOU_ROTATED_PARAMS = (
+    ("bboxes1", "bboxes2", "mode", "aligned", "clockwise"),
+    ("bboxes1", "bboxes2", "mode", "aligned"),
+)
+EXT_OVERLAP_BEV_PARAMS = (("boxes_a", "boxes_b", "ans_iou"),)
+ROIAWARE_INIT_PARAMS = (("self", "out_size", "max_pts_per_voxel", "mode"),)
+ROIPOINT_INIT_PARAMS = (("self", "num_sampled_points"),)
+CIRCLE_NMS_PARAMS = (("dets", "thresh", "post_max_size"),)
+PCDET_NMS_PARAMS = (("boxes", "scores", "thresh", "pre_maxsize", "kwargs"),)
+PCDET_NMS_NORMAL_PARAMS = (("boxes", "scores", "thresh", "kwargs"),)
 
 _MARK = "__mu_space_patch__"  # set on every replacement: the patch name
 _ORIGINAL = "__mu_space_original__"  # the upstream object it replaces
@@ -659,6 +699,337 @@ def _pillar_scatter(backend: str) -> Callable[[Any], Any]:
     return make
 
 
+# --------------------------------------------------------------------------- box3d (issue 12)
+
+
+def _py_func(original: Any) -> Any:
+    """The Python function behind a numba dispatcher (mmdet3d's `@numba.jit circle_nms`), whose
+    own signature is not inspectable; a plain function is its own."""
+    return getattr(original, "py_func", original)
+
+
+def _points_in_boxes_part(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def points_in_boxes_part(points, boxes):
+            """muSPACE replacement of mmcv's `points_in_boxes_part(points [B, M, 3], boxes
+            [B, T, 7])` -> Tensor[B, M] int32: the first box holding each point, -1 for none
+            (boxes with z at the bottom)."""
+            return mu_space.points_in_boxes_part(points, boxes, backend=backend)
+
+        return _mark(points_in_boxes_part, "mmcv.points_in_boxes_part", original)
+
+    return make
+
+
+def _points_in_boxes_all(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def points_in_boxes_all(points, boxes):
+            """muSPACE replacement of mmcv's `points_in_boxes_all(points [B, M, 3], boxes
+            [B, T, 7])` -> Tensor[B, M, T] int32, 1 where box t holds point m."""
+            return mu_space.points_in_boxes_all(points, boxes, backend=backend)
+
+        return _mark(points_in_boxes_all, "mmcv.points_in_boxes_all", original)
+
+    return make
+
+
+def _boxes_overlap_bev(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def boxes_overlap_bev(boxes_a, boxes_b):
+            """muSPACE replacement of mmcv's `boxes_overlap_bev(boxes_a [M, 7], boxes_b
+            [N, 7])` -> Tensor[M, N]: the exact BEV intersection areas, in boxes_a's dtype."""
+            return mu_space.boxes_overlap_bev(boxes_a, boxes_b, backend=backend)
+
+        return _mark(boxes_overlap_bev, "mmcv.boxes_overlap_bev", original)
+
+    return make
+
+
+def _boxes_iou_bev(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def boxes_iou_bev(boxes_a, boxes_b):
+            """muSPACE replacement of mmcv's `iou3d.boxes_iou_bev(boxes_a [M, 5], boxes_b
+            [N, 5])` ([x1, y1, x2, y2, ry]) -> Tensor[M, N] IoU (box_iou_rotated of the
+            converted boxes, as mmcv >= 1.6)."""
+            return mu_space.boxes_iou_bev(boxes_a, boxes_b, backend=backend)
+
+        return _mark(boxes_iou_bev, "mmcv.boxes_iou_bev", original)
+
+    return make
+
+
+def _points_in_boxes_cpu(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def points_in_boxes_cpu(points, boxes):
+            """muSPACE replacement of mmcv's `points_in_boxes_cpu(points [B, M, 3], boxes
+            [B, T, 7])` -> Tensor[B, M, T] int32; computed in float32 as mmcv (`.float()`)."""
+            return mu_space.points_in_boxes_cpu(points.float(), boxes.float(), backend=backend)
+
+        return _mark(points_in_boxes_cpu, "mmcv.points_in_boxes_cpu", original)
+
+    return make
+
+
+def _nms_bev(patch_name: str) -> Callable[[str], Callable[[Any], Any]]:
+    def factory(backend: str) -> Callable[[Any], Any]:
+        def make(original: Any) -> Any:
+            def nms_bev(boxes, scores, thresh, pre_max_size=None, post_max_size=None):
+                """muSPACE replacement of `nms_bev(boxes [N, 5] (x1, y1, x2, y2, ry), scores
+                [N], thresh, pre_max_size=None, post_max_size=None)` (mmcv's iou3d and
+                mmdet3d's box3d_nms): Tensor[K] int64 kept indices, highest score first."""
+                return mu_space.nms_bev(
+                    boxes, scores, thresh, pre_max_size, post_max_size, backend=backend
+                )
+
+            return _mark(nms_bev, patch_name, original)
+
+        return make
+
+    return factory
+
+
+def _nms3d(op_name: str, patch_name: str) -> Callable[[str], Callable[[Any], Any]]:
+    def factory(backend: str) -> Callable[[Any], Any]:
+        def make(original: Any) -> Any:
+            op = getattr(mu_space, op_name)
+
+            def nms(boxes, scores, iou_threshold):
+                """muSPACE replacement of mmcv's `nms3d` / `nms3d_normal(boxes [N, 7], scores
+                [N], iou_threshold)` -> Tensor[K] int64 kept indices, highest score first."""
+                return op(boxes, scores, iou_threshold, backend=backend)
+
+            nms.__name__ = nms.__qualname__ = op_name
+            return _mark(nms, patch_name, original)
+
+        return make
+
+    return factory
+
+
+def _box_iou_rotated(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        with_clockwise = _names_of(original) == BOX_IOU_ROTATED_PARAMS[0]
+        if with_clockwise:
+
+            def box_iou_rotated(bboxes1, bboxes2, mode="iou", aligned=False, clockwise=True):
+                """muSPACE replacement of mmcv's `box_iou_rotated(bboxes1 [N, 5], bboxes2
+                [M, 5], mode='iou', aligned=False, clockwise=True)` -> Tensor[N, M] (aligned:
+                [N]) IoU / IoF of (x, y, w, h, theta) rectangles, in bboxes1's dtype."""
+                return mu_space.box_iou_rotated(
+                    bboxes1, bboxes2, mode, aligned, clockwise, backend=backend
+                )
+
+        else:
+
+            def box_iou_rotated(bboxes1, bboxes2, mode="iou", aligned=False):
+                """muSPACE replacement of early mmcv 1.x's `box_iou_rotated(bboxes1, bboxes2,
+                mode='iou', aligned=False)` (before `clockwise`: mmcv's clockwise=True)."""
+                return mu_space.box_iou_rotated(
+                    bboxes1, bboxes2, mode, aligned, True, backend=backend
+                )
+
+        return _mark(box_iou_rotated, "mmcv.box_iou_rotated", original)
+
+    return make
+
+
+def _ext_overlap_bev(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def iou3d_boxes_overlap_bev_forward(boxes_a, boxes_b, ans_iou):
+            """muSPACE replacement of `mmcv._ext.iou3d_boxes_overlap_bev_forward`: writes the
+            BEV overlaps [M, N] into the caller's `ans_iou` (what mmcv's boxes_overlap_bev and
+            boxes_iou3d allocate)."""
+            ans_iou.copy_(mu_space.boxes_overlap_bev(boxes_a, boxes_b, backend=backend))
+
+        return _mark(
+            iou3d_boxes_overlap_bev_forward, "mmcv._ext.iou3d_boxes_overlap_bev_forward", original
+        )
+
+    return make
+
+
+_ROIAWARE_MODES = ("max", "avg")  # mmcv stores the mode as 0 / 1
+
+
+def _roiaware_class(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        class RoIAwarePool3d(original):
+            """muSPACE replacement of mmcv's `RoIAwarePool3d` module (a subclass: mmcv's
+            constructor and attributes); forward(rois [N, 7], pts [P, 3], pts_feature [P, C])
+            -> Tensor[N, ox, oy, oz, C] through `mu_space.roiaware_pool3d`."""
+
+            def forward(self, rois, pts, pts_feature):
+                mode = self.mode
+                if not isinstance(mode, str):
+                    mode = _ROIAWARE_MODES[int(mode)]
+                return mu_space.roiaware_pool3d(
+                    rois, pts, pts_feature, self.out_size, self.max_pts_per_voxel, mode,
+                    backend=backend,
+                )  # fmt: skip
+
+        RoIAwarePool3d.__module__ = getattr(original, "__module__", __name__)
+        RoIAwarePool3d.__qualname__ = original.__qualname__
+        return _mark(RoIAwarePool3d, "mmcv.RoIAwarePool3d", original)
+
+    return make
+
+
+def _roipoint_class(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        class RoIPointPool3d(original):
+            """muSPACE replacement of mmcv's `RoIPointPool3d` module (a subclass);
+            forward(points [B, N, 3], point_features [B, N, C], boxes3d [B, M, 7]) ->
+            (pooled_features [B, M, S, 3 + C], pooled_empty_flag [B, M] int32)."""
+
+            def forward(self, points, point_features, boxes3d):
+                return mu_space.roipoint_pool3d(
+                    points, point_features, boxes3d, self.num_sampled_points, backend=backend
+                )
+
+        RoIPointPool3d.__module__ = getattr(original, "__module__", __name__)
+        RoIPointPool3d.__qualname__ = original.__qualname__
+        return _mark(RoIPointPool3d, "mmcv.RoIPointPool3d", original)
+
+    return make
+
+
+def _circle_nms(patch_name: str) -> Callable[[str], Callable[[Any], Any]]:
+    def factory(backend: str) -> Callable[[Any], Any]:
+        def make(original: Any) -> Any:
+            def circle_nms(dets, thresh, post_max_size=83):
+                """muSPACE replacement of mmdet3d's numba `circle_nms(dets [N, 3] (x, y, score),
+                thresh, post_max_size=83)`: the kept indices as a list of ints, as upstream
+                (CenterPoint wraps them in torch.tensor); a torch `dets` gives a Tensor."""
+                keep = mu_space.circle_nms(dets, thresh, post_max_size, backend=backend)
+                return keep if isinstance(keep, torch.Tensor) else [int(i) for i in keep]
+
+            return _mark(circle_nms, patch_name, original)
+
+        return make
+
+    return factory
+
+
+# OpenPCDet (pcdet.ops.iou3d_nms / roiaware_pool3d): the adapters of mu_space.ops.pcdet
+
+
+def _pcdet_boxes_iou_bev(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        from mu_space.ops import pcdet
+
+        def boxes_iou_bev(boxes_a, boxes_b):
+            """muSPACE replacement of OpenPCDet's `boxes_iou_bev(boxes_a [N, 7], boxes_b
+            [M, 7])` -> IoU [N, M] = ov / max(union, 1e-8)."""
+            return pcdet.boxes_iou_bev(boxes_a, boxes_b, backend=backend)
+
+        return _mark(boxes_iou_bev, "pcdet.boxes_iou_bev", original)
+
+    return make
+
+
+def _pcdet_boxes_bev_iou_cpu(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        from mu_space.ops import pcdet
+
+        def boxes_bev_iou_cpu(boxes_a, boxes_b):
+            """muSPACE replacement of OpenPCDet's `boxes_bev_iou_cpu(boxes_a, boxes_b)`: CPU
+            tensors or numpy arrays (numpy in, numpy out) -> IoU [N, M] (muSPACE's reference;
+            `backend` does not apply: CPU only, as upstream)."""
+            return pcdet.boxes_bev_iou_cpu(boxes_a, boxes_b)
+
+        return _mark(boxes_bev_iou_cpu, "pcdet.boxes_bev_iou_cpu", original)
+
+    return make
+
+
+def _pcdet_nms(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        from mu_space.ops import pcdet
+
+        def nms_gpu(boxes, scores, thresh, pre_maxsize=None, **kwargs):
+            """muSPACE replacement of OpenPCDet's `nms_gpu(boxes [N, 7], scores [N], thresh,
+            pre_maxsize=None, **kwargs)` -> (keep Tensor[K] int64, None)."""
+            return pcdet.nms_gpu(boxes, scores, thresh, pre_maxsize, backend=backend)
+
+        return _mark(nms_gpu, "pcdet.nms_gpu", original)
+
+    return make
+
+
+def _pcdet_nms_normal(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        from mu_space.ops import pcdet
+
+        def nms_normal_gpu(boxes, scores, thresh, **kwargs):
+            """muSPACE replacement of OpenPCDet's `nms_normal_gpu(boxes [N, 7], scores [N],
+            thresh, **kwargs)` -> (keep Tensor[K] int64, None), axis-aligned IoU."""
+            return pcdet.nms_normal_gpu(boxes, scores, thresh, backend=backend)
+
+        return _mark(nms_normal_gpu, "pcdet.nms_normal_gpu", original)
+
+    return make
+
+
+def _as_float32(x: Any) -> Any:
+    """OpenPCDet's CPU entry casts with `.float()`; numpy arrays stay numpy (float32)."""
+    if isinstance(x, torch.Tensor):
+        return x.float()
+    import numpy as np
+
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _pcdet_points_in_boxes_gpu(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        from mu_space.ops import pcdet
+
+        def points_in_boxes_gpu(points, boxes):
+            """muSPACE replacement of OpenPCDet's `points_in_boxes_gpu(points [B, M, 3], boxes
+            [B, T, 7] (z at the centre))` -> [B, M] int32, the first box holding each point or
+            -1."""
+            return pcdet.points_in_boxes_gpu(points, boxes, backend=backend)
+
+        return _mark(points_in_boxes_gpu, "pcdet.points_in_boxes_gpu", original)
+
+    return make
+
+
+def _pcdet_points_in_boxes_cpu(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        from mu_space.ops import pcdet
+
+        def points_in_boxes_cpu(points, boxes):
+            """muSPACE replacement of OpenPCDet's `points_in_boxes_cpu(points [M, 3], boxes
+            [T, 7] (z at the centre))` -> point_indices [T, M] int32 0 / 1 (numpy in, numpy
+            out), computed in float32 as upstream (`.float()`)."""
+            return pcdet.points_in_boxes_cpu(_as_float32(points), _as_float32(boxes))
+
+        return _mark(points_in_boxes_cpu, "pcdet.points_in_boxes_cpu", original)
+
+    return make
+
+
+# Upstream call sites with no default patch, and why (docs/patcher.md, "Box operators").
+DECLINED = {
+    "mmcv.nms_normal_bev": "mmcv >= 1.6 computes it as the 2-D axis-aligned `nms(boxes[:, :4], "
+    "scores, thresh)` of (x1, y1, x2, y2) corners (mmcv <= 1.5: an iou3d kernel); muSPACE has no "
+    "operator with that IoU on corner boxes (nms3d_normal takes centre / size boxes, and "
+    "converting the corners rounds them)",
+    "mmdet3d.nms_normal_bev": "the same computation as mmcv's nms_normal_bev (mmcv.ops.nms on "
+    "the corners), in mmdet3d.models.layers.box3d_nms and mmdet3d.core.post_processing",
+    "mmdet3d.aligned_3d_nms": "no muSPACE operator (3-D axis-aligned NMS with class masks)",
+    "pcdet.boxes_iou3d_gpu": "no muSPACE 3-D IoU operator; its BEV overlap is a call into "
+    "OpenPCDet's compiled iou3d_nms_cuda, whose pybind functions declare no argument names to "
+    "check (mmcv's boxes_iou3d is covered by mmcv._ext.iou3d_boxes_overlap_bev_forward)",
+    "pcdet.RoIAwarePool3d": "OpenPCDet's signature differs from mmcv's: RoIAwarePool3d(out_size, "
+    "max_pts_each_voxel) with pool_method per forward call and RoIs with z at the CENTRE; "
+    "mu_space.roiaware_pool3d is mmcv's (z at the bottom) and mu_space.ops.pcdet has no adapter",
+    "pcdet.RoIPointPool3d": "OpenPCDet's RoIPointPool3d(num_sampled_points, pool_extra_width) "
+    "enlarges z-centre boxes first; mu_space.roipoint_pool3d is mmcv's (no enlargement, z at the "
+    "bottom) and mu_space.ops.pcdet has no adapter",
+}
+
+
 # --------------------------------------------------------------------------- assembly
 
 
@@ -791,6 +1162,184 @@ def default_patches(*, backend: str = "auto") -> list[Patch]:
             _pillar_scatter(backend),
             precheck=_one_of(PILLAR_FORWARD_PARAMS),
             description="mmdet3d PointPillarsScatter.forward -> mu_space.pillar_scatter",
+        ),
+        # ----------------------------------------------------------- box3d (issue 12)
+        Patch(
+            "mmcv.points_in_boxes_part",
+            f"{POINTS_IN_BOXES_MODULE}.points_in_boxes_part",
+            _points_in_boxes_part(backend),
+            aliases=("mmcv.ops.points_in_boxes_part",),
+            precheck=_one_of(POINTS_BOXES_PARAMS),
+            description="mmcv points_in_boxes_part -> mu_space.points_in_boxes_part",
+        ),
+        Patch(
+            "mmcv.points_in_boxes_all",
+            f"{POINTS_IN_BOXES_MODULE}.points_in_boxes_all",
+            _points_in_boxes_all(backend),
+            aliases=("mmcv.ops.points_in_boxes_all",),
+            precheck=_one_of(POINTS_BOXES_PARAMS),
+            description="mmcv points_in_boxes_all -> mu_space.points_in_boxes_all",
+        ),
+        Patch(
+            "mmcv.points_in_boxes_cpu",
+            f"{POINTS_IN_BOXES_MODULE}.points_in_boxes_cpu",
+            _points_in_boxes_cpu(backend),
+            aliases=("mmcv.ops.points_in_boxes_cpu",),
+            precheck=_one_of(POINTS_BOXES_PARAMS),
+            description="mmcv points_in_boxes_cpu -> mu_space.points_in_boxes_cpu",
+        ),
+        Patch(
+            "mmcv.boxes_overlap_bev",
+            f"{IOU3D_MODULE}.boxes_overlap_bev",
+            _boxes_overlap_bev(backend),
+            aliases=("mmcv.ops.boxes_overlap_bev",),
+            precheck=_one_of(BOX_PAIR_PARAMS),
+            description="mmcv iou3d boxes_overlap_bev -> mu_space.boxes_overlap_bev",
+        ),
+        Patch(
+            "mmcv.boxes_iou_bev",
+            f"{IOU3D_MODULE}.boxes_iou_bev",
+            _boxes_iou_bev(backend),
+            aliases=("mmcv.ops.boxes_iou_bev",),
+            precheck=_one_of(BOX_PAIR_PARAMS),
+            description="mmcv iou3d boxes_iou_bev ([x1, y1, x2, y2, ry]) -> mu_space.boxes_iou_bev",
+        ),
+        Patch(
+            "mmcv.nms_bev",
+            f"{IOU3D_MODULE}.nms_bev",
+            _nms_bev("mmcv.nms_bev")(backend),
+            aliases=("mmcv.ops.nms_bev",),
+            precheck=_one_of(NMS_BEV_PARAMS),
+            description="mmcv iou3d nms_bev -> mu_space.nms_bev",
+        ),
+        Patch(
+            "mmcv.nms3d",
+            f"{IOU3D_MODULE}.nms3d",
+            _nms3d("nms3d", "mmcv.nms3d")(backend),
+            aliases=("mmcv.ops.nms3d",),
+            precheck=_one_of(NMS3D_PARAMS),
+            description="mmcv iou3d nms3d -> mu_space.nms3d",
+        ),
+        Patch(
+            "mmcv.nms3d_normal",
+            f"{IOU3D_MODULE}.nms3d_normal",
+            _nms3d("nms3d_normal", "mmcv.nms3d_normal")(backend),
+            aliases=("mmcv.ops.nms3d_normal",),
+            precheck=_one_of(NMS3D_PARAMS),
+            description="mmcv iou3d nms3d_normal -> mu_space.nms3d_normal",
+        ),
+        Patch(
+            "mmcv._ext.iou3d_boxes_overlap_bev_forward",
+            f"{EXT_MODULE}.iou3d_boxes_overlap_bev_forward",
+            _ext_overlap_bev(backend),
+            precheck=_one_of(EXT_OVERLAP_BEV_PARAMS),
+            description="mmcv._ext.iou3d_boxes_overlap_bev_forward (behind mmcv's "
+            "boxes_overlap_bev and boxes_iou3d) -> mu_space.boxes_overlap_bev",
+        ),
+        Patch(
+            "mmcv.box_iou_rotated",
+            f"{BOX_IOU_ROTATED_MODULE}.box_iou_rotated",
+            _box_iou_rotated(backend),
+            aliases=("mmcv.ops.box_iou_rotated",),
+            precheck=_one_of(BOX_IOU_ROTATED_PARAMS),
+            description="mmcv box_iou_rotated (with or without clockwise) -> "
+            "mu_space.box_iou_rotated",
+        ),
+        Patch(
+            "mmcv.RoIAwarePool3d",
+            f"{ROIAWARE_MODULE}.RoIAwarePool3d",
+            _roiaware_class(backend),
+            aliases=("mmcv.ops.RoIAwarePool3d",),
+            precheck=_one_of(ROIAWARE_INIT_PARAMS, get=_class_init),
+            description="mmcv's RoIAwarePool3d module (a subclass, forward replaced) -> "
+            "mu_space.roiaware_pool3d",
+        ),
+        Patch(
+            "mmcv.RoIPointPool3d",
+            f"{ROIPOINT_MODULE}.RoIPointPool3d",
+            _roipoint_class(backend),
+            aliases=("mmcv.ops.RoIPointPool3d",),
+            precheck=_one_of(ROIPOINT_INIT_PARAMS, get=_class_init),
+            description="mmcv's RoIPointPool3d module (a subclass, forward replaced) -> "
+            "mu_space.roipoint_pool3d",
+        ),
+        Patch(
+            "mmdet3d.nms_bev",
+            f"{MMDET3D_NMS_MODULE}.nms_bev",
+            _nms_bev("mmdet3d.nms_bev")(backend),
+            aliases=("mmdet3d.models.layers.nms_bev",),
+            precheck=_one_of(NMS_BEV_PARAMS),
+            description="mmdet3d 1.x nms_bev (box3d_multiclass_nms, CenterPoint) -> "
+            "mu_space.nms_bev",
+        ),
+        Patch(
+            "mmdet3d.circle_nms",
+            f"{MMDET3D_NMS_MODULE}.circle_nms",
+            _circle_nms("mmdet3d.circle_nms")(backend),
+            aliases=("mmdet3d.models.layers.circle_nms",),
+            precheck=_one_of(CIRCLE_NMS_PARAMS, get=_py_func),
+            description="mmdet3d 1.x circle_nms (numba, CenterPoint) -> mu_space.circle_nms",
+        ),
+        Patch(
+            "mmdet3d.core.nms_bev",
+            f"{MMDET3D_CORE_NMS_MODULE}.nms_bev",
+            _nms_bev("mmdet3d.core.nms_bev")(backend),
+            aliases=("mmdet3d.core.post_processing.nms_bev", "mmdet3d.core.nms_bev"),
+            precheck=_one_of(NMS_BEV_PARAMS),
+            description="mmdet3d 0.x / 1.0.0rc nms_bev -> mu_space.nms_bev",
+        ),
+        Patch(
+            "mmdet3d.core.circle_nms",
+            f"{MMDET3D_CORE_NMS_MODULE}.circle_nms",
+            _circle_nms("mmdet3d.core.circle_nms")(backend),
+            aliases=("mmdet3d.core.post_processing.circle_nms", "mmdet3d.core.circle_nms"),
+            precheck=_one_of(CIRCLE_NMS_PARAMS, get=_py_func),
+            description="mmdet3d 0.x / 1.0.0rc circle_nms -> mu_space.circle_nms",
+        ),
+        Patch(
+            "pcdet.boxes_iou_bev",
+            f"{PCDET_IOU3D_MODULE}.boxes_iou_bev",
+            _pcdet_boxes_iou_bev(backend),
+            precheck=_one_of(BOX_PAIR_PARAMS),
+            description="OpenPCDet iou3d_nms_utils.boxes_iou_bev -> mu_space.ops.pcdet",
+        ),
+        Patch(
+            "pcdet.boxes_bev_iou_cpu",
+            f"{PCDET_IOU3D_MODULE}.boxes_bev_iou_cpu",
+            _pcdet_boxes_bev_iou_cpu(backend),
+            precheck=_one_of(BOX_PAIR_PARAMS),
+            description="OpenPCDet iou3d_nms_utils.boxes_bev_iou_cpu -> mu_space.ops.pcdet",
+        ),
+        Patch(
+            "pcdet.nms_gpu",
+            f"{PCDET_IOU3D_MODULE}.nms_gpu",
+            _pcdet_nms(backend),
+            precheck=_one_of(PCDET_NMS_PARAMS),
+            description="OpenPCDet iou3d_nms_utils.nms_gpu -> mu_space.ops.pcdet.nms_gpu",
+        ),
+        Patch(
+            "pcdet.nms_normal_gpu",
+            f"{PCDET_IOU3D_MODULE}.nms_normal_gpu",
+            _pcdet_nms_normal(backend),
+            precheck=_one_of(PCDET_NMS_NORMAL_PARAMS),
+            description="OpenPCDet iou3d_nms_utils.nms_normal_gpu -> "
+            "mu_space.ops.pcdet.nms_normal_gpu",
+        ),
+        Patch(
+            "pcdet.points_in_boxes_gpu",
+            f"{PCDET_ROIAWARE_MODULE}.points_in_boxes_gpu",
+            _pcdet_points_in_boxes_gpu(backend),
+            precheck=_one_of(POINTS_BOXES_PARAMS),
+            description="OpenPCDet roiaware_pool3d_utils.points_in_boxes_gpu -> "
+            "mu_space.ops.pcdet.points_in_boxes_gpu",
+        ),
+        Patch(
+            "pcdet.points_in_boxes_cpu",
+            f"{PCDET_ROIAWARE_MODULE}.points_in_boxes_cpu",
+            _pcdet_points_in_boxes_cpu(backend),
+            precheck=_one_of(POINTS_BOXES_PARAMS),
+            description="OpenPCDet roiaware_pool3d_utils.points_in_boxes_cpu -> "
+            "mu_space.ops.pcdet.points_in_boxes_cpu",
         ),
     ]
 
