@@ -163,7 +163,7 @@ def _samples(device) -> list[_opdef.Sample]:
     idx = idx.to(device)
     one = idx[idx[:, 0] == 0]
     return [
-        _opdef.Sample("SubM 3x3x3, 2 frames", (idx, 2, shape, 3, 1, 0, 1, 0, True, False)),
+        _opdef.Sample("SubM 3x3x3, 2 frames", (idx, 2, shape, 3, 1, 1, 1, 0, True, False)),
         _opdef.Sample("stride 2 pad 1, 2 frames", (idx, 2, shape, 3, 2, 1, 1, 0, False, False)),
         _opdef.Sample(
             "SECOND down (3, 1, 1) stride (2, 1, 1)",
@@ -233,16 +233,9 @@ def sparse_rulebook(
     k the (input row, output row) pairs in ascending input row, then -1), indice_pair_num [K]
     int32), K = prod(kernel_size) in row-major kernel order. No gradient."""
     nd = indices.shape[1] - 1 if isinstance(indices, torch.Tensor) and indices.dim() == 2 else 3
-    return OP(
-        indices,
-        batch_size,
-        spatial_shape if isinstance(spatial_shape, int) else list(spatial_shape)
-        if isinstance(spatial_shape, (list, tuple)) else spatial_shape,
-        *(_as_list(v, nd) for v in (kernel_size, stride, padding, dilation, output_padding)),
-        subm,
-        transposed,
-        backend=backend,
-    )  # fmt: skip
+    spatial = list(spatial_shape) if isinstance(spatial_shape, tuple) else spatial_shape
+    sizes = (_as_list(v, nd) for v in (kernel_size, stride, padding, dilation, output_padding))
+    return OP(indices, batch_size, spatial, *sizes, subm, transposed, backend=backend)
 
 
 def _as_list(value, ndim: int):
