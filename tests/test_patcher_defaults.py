@@ -43,6 +43,12 @@ VOXEL_PATCHES = {
     "mmcv._ext.dynamic_point_to_voxel_backward",
     "mmdet3d.PointPillarsScatter",
 }
+# off by default (tests/test_patcher_bevfusion_lss.py)
+FACTORED_LSS_PATCHES = {
+    f"bevfusion.factored_lss{layout}.{name}"
+    for layout in ("", ".mit")
+    for name in ("bev_pool", "LSSTransform", "DepthLSSTransform")
+}
 ALL = (
     {
         "mmcv.MultiScaleDeformableAttnFunction",
@@ -51,10 +57,11 @@ ALL = (
         "bevdet.voxel_pooling_prepare_v2",
         "bevfusion.bev_pool",
     }
+    | FACTORED_LSS_PATCHES
     | VOXEL_PATCHES
     | BOX3D_PATCHES
 )
-ON_BY_DEFAULT = ALL - {"mmcv.multi_scale_deformable_attn_pytorch"}
+ON_BY_DEFAULT = ALL - {"mmcv.multi_scale_deformable_attn_pytorch"} - FACTORED_LSS_PATCHES
 
 # Patched vs stand-in on the CPU: both sides are float32 sums of the same products in another
 # order (index_add vs interval sums; grid_sample vs closed-form backward), so ~1e-6 relative.

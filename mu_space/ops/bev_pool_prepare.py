@@ -542,8 +542,16 @@ PREPARE = _opdef.define(
         samples=_prepare_samples,
         upstream="BEVDet `voxel_pooling_prepare_v2`",
         models="BEVDet, BEVDepth, FlashOCC",
-        patches=("bevdet.voxel_pooling_prepare_v2",),
-        recipes=("model_examples/BEVDet",),
+        patches=(
+            "bevdet.voxel_pooling_prepare_v2",
+            "bevfusion.factored_lss.bev_pool",
+            "bevfusion.factored_lss.LSSTransform",
+            "bevfusion.factored_lss.DepthLSSTransform",
+            "bevfusion.factored_lss.mit.bev_pool",
+            "bevfusion.factored_lss.mit.LSSTransform",
+            "bevfusion.factored_lss.mit.DepthLSSTransform",
+        ),
+        recipes=("model_examples/BEVDet", "model_examples/BEVFusion"),
         doc="docs/operators/bev_pool_prepare.md",
     )
 )

@@ -553,8 +553,16 @@ OP = _opdef.define(
         samples=_samples,
         upstream="BEVDet `bev_pool_v2`",
         models="BEVDet, BEVDepth, FlashOCC",
-        patches=("bevdet.bev_pool_v2",),
-        recipes=("model_examples/BEVDet",),
+        patches=(
+            "bevdet.bev_pool_v2",
+            "bevfusion.factored_lss.bev_pool",
+            "bevfusion.factored_lss.LSSTransform",
+            "bevfusion.factored_lss.DepthLSSTransform",
+            "bevfusion.factored_lss.mit.bev_pool",
+            "bevfusion.factored_lss.mit.LSSTransform",
+            "bevfusion.factored_lss.mit.DepthLSSTransform",
+        ),
+        recipes=("model_examples/BEVDet", "model_examples/BEVFusion"),
         doc="docs/operators/bev_pool_v2.md",
     )
 )

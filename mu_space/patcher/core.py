@@ -13,6 +13,7 @@ does not matter.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import sys
 from dataclasses import dataclass, field
@@ -141,22 +142,30 @@ class Patcher:
         self._patches[patch.name] = patch
         return self
 
-    def _named(self, name: str) -> Patch:
-        try:
-            return self._patches[name]
-        except KeyError:
-            raise KeyError(f"no patch named {name!r}; known: {sorted(self._patches)}") from None
+    def _named(self, name: str) -> list[Patch]:
+        """The patch `name`, or every patch a `*` pattern matches ("bevfusion.factored_lss.*")."""
+        if "*" in name:
+            found = [p for n, p in self._patches.items() if fnmatch.fnmatchcase(n, name)]
+        else:
+            found = [self._patches[name]] if name in self._patches else []
+        if not found:
+            raise KeyError(f"no patch named {name!r}; known: {sorted(self._patches)}")
+        return found
 
     def disable(self, name: str) -> Patcher:
-        patch = self._named(name)
+        """Leave out the patch `name` (or all that a `*` pattern matches) at apply()."""
+        patches = self._named(name)
         self._check_not_applied(f"disable {name!r}")
-        patch.enabled = False
+        for patch in patches:
+            patch.enabled = False
         return self
 
     def enable(self, name: str) -> Patcher:
-        patch = self._named(name)
+        """Apply the patch `name` (or all that a `*` pattern matches), e.g. an off-by-default one."""
+        patches = self._named(name)
         self._check_not_applied(f"enable {name!r}")
-        patch.enabled = True
+        for patch in patches:
+            patch.enabled = True
         return self
 
     @property

@@ -16,6 +16,9 @@ Patch names (for `Patcher.disable` / `enable`):
     bevdet.bev_pool_v2                        on   mmdet3d.ops.bev_pool_v2.bev_pool
     bevdet.voxel_pooling_prepare_v2           on   mmdet3d.models.necks.view_transformer
     bevfusion.bev_pool                        on   mmdet3d.ops.bev_pool.bev_pool (+ mmdet3d.ops)
+    bevfusion.factored_lss.*                  OFF  BEVFusion LSS / DepthLSS vtransforms: pool depth
+                                                   and context without their product (6 patches:
+                                                   mmdet3d 1.x projects/BEVFusion, MIT BEVFusion)
     mmcv.voxelization                         on   mmcv.ops.voxelize.voxelization (+ mmcv.ops)
     mmcv.Voxelization                         on   mmcv.ops.voxelize.Voxelization (+ mmcv.ops)
     mmcv.dynamic_scatter                      on   mmcv.ops.scatter_points.dynamic_scatter (+ mmcv.ops)
@@ -81,6 +84,29 @@ BEV_POOL_V2_PARAMS = (
 )
 PREPARE_V2_PARAMS = ("self", "coor")
 BEV_POOL_PARAMS = ("feats", "coords", "B", "D", "H", "W")
+# The LSS vtransforms: mmdet3d 1.x's projects/BEVFusion (one module) and MIT HAN Lab's BEVFusion
+# (mmdet3d/models/vtransforms/{base,lss,depth_lss}.py): (prefix, {class: module}).
+LSS_VTRANSFORMS = (
+    (
+        "bevfusion.factored_lss",
+        {
+            "BaseTransform": "projects.BEVFusion.bevfusion.depth_lss",
+            "LSSTransform": "projects.BEVFusion.bevfusion.depth_lss",
+            "DepthLSSTransform": "projects.BEVFusion.bevfusion.depth_lss",
+        },
+    ),
+    (
+        "bevfusion.factored_lss.mit",
+        {
+            "BaseTransform": "mmdet3d.models.vtransforms.base",
+            "LSSTransform": "mmdet3d.models.vtransforms.lss",
+            "DepthLSSTransform": "mmdet3d.models.vtransforms.depth_lss",
+        },
+    ),
+)
+LSS_POOL_PARAMS = ("self", "geom_feats", "x")
+LSS_CAM_FEATS_PARAMS = ("self", "x")
+DEPTH_LSS_CAM_FEATS_PARAMS = ("self", "x", "d")
 VOXELIZE_MODULE = "mmcv.ops.voxelize"
 SCATTER_MODULE = "mmcv.ops.scatter_points"
 EXT_MODULE = "mmcv._ext"
@@ -461,6 +487,124 @@ def _bev_pool(backend: str) -> Callable[[Any], Any]:
         return _mark(bev_pool, "bevfusion.bev_pool", original)
 
     return make
+
+
+class FactoredFrustum:
+    """What a factored LSS `get_cam_feats` returns instead of `depth (outer) context`
+    (`bevfusion.factored_lss.*`): depth [B, N, D, H, W] and context channels-last [B, N, H, W, C].
+    Not a tuple (MIT BEVFusion's forward unpacks a tuple result as (features, depth))."""
+
+    def __init__(self, depth: torch.Tensor, context: torch.Tensor):
+        self.depth, self.context = depth, context
+
+
+_FACTORED_POOL = "__mu_space_factored_pool__"  # set on the factored bev_pool replacement
+# bev_pool_v2 writes [B, C, Z, Y, X]; with x and y swapped it writes BEVFusion's X-major layout
+_XY_SWAP = [1, 0, 2]
+
+
+def _lss_pool(backend: str) -> Callable[[Any], Any]:
+    """BaseTransform.bev_pool(self, geom_feats, x): a FactoredFrustum is pooled with
+    bev_pool_prepare + bev_pool_v2 over the same cells BEVFusion computes
+    (`((geom - (bx - dx / 2)) / dx).long()`, in-grid filter); anything else goes to the original."""
+
+    def make(original: Any) -> Any:
+        def bev_pool(self, geom_feats, x):
+            """muSPACE replacement of BEVFusion's `BaseTransform.bev_pool`: [B, C * Z, X, Y]."""
+            if not isinstance(x, FactoredFrustum):
+                return original(self, geom_feats, x)
+            depth, context = x.depth, x.context
+            if getattr(self, "fp16_enabled", False):  # MIT BEVFusion's @force_fp32
+                depth, context, geom_feats = depth.float(), context.float(), geom_feats.float()
+            b, c = depth.shape[0], context.shape[-1]
+            nx, ny, nz = (int(v) for v in self.nx)
+            ranks = mu_space.bev_pool_prepare(
+                geom_feats[..., _XY_SWAP].contiguous(),
+                (self.bx - self.dx / 2.0)[_XY_SWAP],
+                self.dx[_XY_SWAP],
+                (ny, nx, nz),
+                backend=backend,
+            )
+            bev = mu_space.bev_pool_v2(
+                depth, context, *ranks.bev_pool_v2_args((b, nz, nx, ny, c)), backend=backend
+            )  # [B, C, Z, X, Y]
+            return torch.cat(bev.unbind(dim=2), 1)
+
+        setattr(bev_pool, _FACTORED_POOL, True)
+        return _mark(bev_pool, "bevfusion.factored_lss.bev_pool", original)
+
+    return make
+
+
+def _lifted(module: Any, x: torch.Tensor, b: int, n: int, h: int, w: int) -> Any:
+    """The depthnet output [B*N, D + C, H, W] lifted as upstream does (softmax over the D depth
+    bins, times the C context channels): a FactoredFrustum when the module's bev_pool is the
+    factored one, else the materialised [B, N, D, H, W, C] product (upstream's result)."""
+    d, c = module.D, module.C
+    depth = x[:, :d].softmax(dim=1)
+    context = x[:, d : d + c]
+    if getattr(type(module).bev_pool, _FACTORED_POOL, False):
+        return FactoredFrustum(
+            depth.view(b, n, d, h, w), context.permute(0, 2, 3, 1).reshape(b, n, h, w, c)
+        )
+    lifted = depth.unsqueeze(1) * context.unsqueeze(2)
+    return lifted.view(b, n, c, d, h, w).permute(0, 1, 3, 4, 5, 2)
+
+
+def _lss_cam_feats(original: Any) -> Any:
+    def get_cam_feats(self, x):
+        """muSPACE replacement of LSSTransform.get_cam_feats: depth and context, unmultiplied
+        when the factored bev_pool is patched in too."""
+        b, n, c, h, w = x.shape
+        return _lifted(self, self.depthnet(x.view(b * n, c, h, w)), b, n, h, w)
+
+    return _mark(get_cam_feats, "bevfusion.factored_lss.LSSTransform", original)
+
+
+def _depth_lss_cam_feats(original: Any) -> Any:
+    def get_cam_feats(self, x, d):
+        """muSPACE replacement of DepthLSSTransform.get_cam_feats (the LiDAR depth map through
+        dtransform, concatenated with the image features, through depthnet)."""
+        if getattr(self, "fp16_enabled", False):  # MIT BEVFusion's @force_fp32
+            x, d = x.float(), d.float()
+        b, n, c, h, w = x.shape
+        d = self.dtransform(d.view(b * n, *d.shape[2:]))
+        x = self.depthnet(torch.cat([d, x.view(b * n, c, h, w)], dim=1))
+        return _lifted(self, x, b, n, h, w)
+
+    return _mark(get_cam_feats, "bevfusion.factored_lss.DepthLSSTransform", original)
+
+
+def _lss_patches(backend: str) -> list[Patch]:
+    """The factored-LSS patches of each known BEVFusion layout, off by default: they change what
+    get_cam_feats returns (a FactoredFrustum instead of a tensor) for code that calls it itself.
+    Each is safe alone (get_cam_feats multiplies unless the factored bev_pool is in place;
+    bev_pool passes tensors to the original). Enable: `patcher.enable("bevfusion.factored_lss.*")`."""
+    patches = []
+    for prefix, classes in LSS_VTRANSFORMS:
+        where = classes["BaseTransform"].split(".")[0]
+        for cls, method, make, params in (
+            ("BaseTransform", "bev_pool", _lss_pool(backend), LSS_POOL_PARAMS),
+            ("LSSTransform", "get_cam_feats", _lss_cam_feats, LSS_CAM_FEATS_PARAMS),
+            (
+                "DepthLSSTransform",
+                "get_cam_feats",
+                _depth_lss_cam_feats,
+                DEPTH_LSS_CAM_FEATS_PARAMS,
+            ),
+        ):
+            patches.append(
+                Patch(
+                    f"{prefix}.{cls}" if method == "get_cam_feats" else f"{prefix}.bev_pool",
+                    f"{classes[cls]}.{cls}.{method}",
+                    make,
+                    precheck=_signature_check(params),
+                    enabled=False,
+                    description=f"BEVFusion ({where}) {cls}.{method}: depth and context pooled "
+                    "by mu_space.bev_pool_prepare + bev_pool_v2, never multiplied out",
+                )
+            )
+    return patches
 
 
 # --------------------------------------------------------------------------- mmcv: voxels
@@ -1091,6 +1235,7 @@ def default_patches(*, backend: str = "auto") -> list[Patch]:
             precheck=_signature_check(BEV_POOL_PARAMS),
             description="BEVFusion bev_pool -> mu_space.bev_pool",
         ),
+        *_lss_patches(backend),
         Patch(
             "mmcv.voxelization",
             f"{VOXELIZE_MODULE}.voxelization",
