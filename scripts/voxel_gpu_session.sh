@@ -20,6 +20,7 @@
 #
 # A library prebuilt here (CUDA_ARCH=90a python build_utils.py --inplace) and carried
 # (`mu_space/_lib`) is kept when it is current (--if-stale: same csrc/ digest and archs).
+# Env: OUT, CUDA_ARCH (default 90a), PYTEST_ARGS (e.g. "-n 12"), BENCH_ARGS (e.g. "--quick").
 # Estimated times on the H200 (16 cores): build ~3-4 min (the library; the peer ~1 min), test
 # ~3-5 min, sanitize ~5-8 min, bench ~5-8 min (--quick: ~2 min), recipes ~2 min.
 set -uo pipefail
@@ -48,10 +49,13 @@ case "${1:-}" in
     python3 -c "import mu_space; from mu_space.runtime import native; print(native.status())"
     ;;
   test)
-    python3 -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}" --junitxml="$OUT/test.xml" 2>&1 \
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} "${TESTS[@]}" --junitxml="$OUT/test.xml" 2>&1 \
       | tee "$OUT/test.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-    python3 -m pytest -q -rs -p no:cacheprovider tests/test_op_contracts.py -k "$CONTRACT_K" \
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} tests/test_op_contracts.py \
+      -k "$CONTRACT_K" \
       --junitxml="$OUT/contracts.xml" 2>&1 | tee "$OUT/contracts.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     ;;
