@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import build_utils  # noqa: E402
 
 PLAN = build_utils.detect_toolchain()
+PTH_HOOK = "mu_space_mmcv_ext.pth"
 
 
 def _tvm_ffi_requirement() -> str:
@@ -29,8 +30,15 @@ def _tvm_ffi_requirement() -> str:
 
 
 class BuildPyWithNative(build_py):
+    def get_outputs(self, include_bytecode=1):
+        return [*super().get_outputs(include_bytecode), str(Path(self.build_lib) / PTH_HOOK)]
+
     def run(self):
         super().run()
+        # The opt-in mmcv._ext hook (MUSPACE_MMCV_EXT=1, docs/compat_mmcv.md): a .pth file at the
+        # top of site-packages; inert unless the variable is set.
+        pth = Path(__file__).resolve().parent / PTH_HOOK
+        self.copy_file(str(pth), str(Path(self.build_lib) / PTH_HOOK))
         # Progress reaches the terminal even where pip hides the build's output (no -v).
         progress = build_utils.Progress()
         try:
