@@ -1,0 +1,520 @@
+// sparse_rulebook for MUSA and CUDA: the rule book of a sparse convolution / max pool with the
+// reference's layout and order (mu_space/ops/_sparse.py, docs/operators/sparse_conv.md "Native
+// kernels"), so that native and reference rule books are equal element by element.
+//
+// Entry points (mu_space/ops/_sparse_native.py runs them in this order, on the caller's stream):
+//   sparse_hash_insert         the table of the input keys (rows -> keys, checked against
+//                              [0, batch) x [0, spatial_shape): header[kBad]; a repeated key
+//                              keeps its first row: header[kDup]), or of the output keys
+//                              (int64 keys -> their positions)
+//   sparse_rulebook_candidates strided / transposed: the key each (offset k, input j) reaches,
+//                              cand[k * N + j] (kNoKey where none); the caller sorts them (torch)
+//   sparse_rulebook_unique     the sorted unique keys (run starts of the sorted candidates,
+//                              exclusive scan): uniq[0 .. M), header[kCount] = M
+//   sparse_rulebook_forward    the pairs: per (k, j) the reached key looked up in the table (SubM:
+//                              the input table, else the output table) -> output row or -1, an
+//                              exclusive scan of the flags over the flattened [K, N] candidates
+//                              (slot of (k, j) = scan[k N + j] - scan[k N]: a stable compaction
+//                              per offset, so pairs stay in ascending input row), the -1 fill,
+//                              the emit and the K counts
+//   sparse_rulebook_decode     uniq keys -> out_indices [M, ndim + 1] (b, spatial...)
+//
+// No host synchronisation here; the caller reads the int32 header [4] (bad rows, duplicates, M,
+// table full) once. Every data-dependent index is bounds-checked (rows, slots, keys).
+
+#include <tvm/ffi/container/shape.h>
+#include <tvm/ffi/function.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "../voxel/voxel_sort.muh"  // the exclusive scan of int32 arrays (shared with voxel ops)
+#include "build_facts.muh"
+#include "checks.muh"
+#include "gpu_compat.muh"
+#include "launch.muh"
+#include "sparse_common.muh"
+
+namespace muspace {
+namespace sparse {
+namespace {
+
+using tvm::ffi::Shape;
+
+static_assert(kBlock == voxel::kBlock, "one block size for the scan and the rule-book kernels");
+
+// candidates K * N (and the scan's K * N + 1 entries) are int32-indexed
+constexpr int64_t kMaxCandidates = INT_MAX - 1;
+MUSPACE_LIMIT(sparse_rulebook, max_candidates, kMaxCandidates);
+constexpr int64_t kMaxKernelVolume = 4096;
+constexpr int64_t kKeyLimit = int64_t{1} << 62;
+
+// int32 header
+constexpr int kBad = 0;    // a row outside [0, batch) x [0, shape)
+constexpr int kDup = 1;    // a key inserted twice
+constexpr int kCount = 2;  // M, the unique output keys
+constexpr int kFull = 3;   // an insert found no free slot (impossible at capacity >= 2n)
+constexpr int kHeaderInts = 4;
+
+int blocks_for(int64_t n, int device_id) { return grid_for(n, kBlock, device_id, kBlocksPerSm); }
+
+// ------------------------------------------------------------------------------ kernels
+
+__global__ void __launch_bounds__(kBlock)
+    insert_rows_kernel(const int* __restrict__ indices, int n, int ndim, Geometry g,
+                       int64_t* __restrict__ keys, int* __restrict__ vals, uint64_t mask,
+                       int* __restrict__ header) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const int64_t key = site_key(indices + i * (ndim + 1), ndim, g.batch, g.in_shape);
+    if (key < 0) {
+      atomicOr(header + kBad, 1);
+      continue;
+    }
+    const int r = hash_insert(keys, vals, mask, key, static_cast<int>(i));
+    if (r == kDuplicate) atomicOr(header + kDup, 1);
+    if (r == kTableFull) atomicOr(header + kFull, 1);
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    insert_keys_kernel(const int64_t* __restrict__ src, int n, int64_t* __restrict__ keys,
+                       int* __restrict__ vals, uint64_t mask, int* __restrict__ header) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const int64_t key = src[i];
+    if (key < 0 || key == kNoKey) {
+      atomicOr(header + kBad, 1);
+      continue;
+    }
+    const int r = hash_insert(keys, vals, mask, key, static_cast<int>(i));
+    if (r == kDuplicate) atomicOr(header + kDup, 1);
+    if (r == kTableFull) atomicOr(header + kFull, 1);
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    candidates_kernel(const int* __restrict__ indices, int n, Geometry g, int64_t total,
+                      int64_t* __restrict__ cand) {
+  for (int64_t e = global_thread(); e < total; e += global_threads()) {
+    const int64_t k = e / n;
+    const int64_t j = e - k * n;
+    const int64_t key = reached_key(g, indices + j * (g.ndim + 1), k);
+    cand[e] = key >= 0 ? key : kNoKey;
+  }
+}
+
+__device__ __forceinline__ bool run_start(const int64_t* sorted, int64_t p) {
+  const int64_t k = sorted[p];
+  return k != kNoKey && k >= 0 && (p == 0 || sorted[p - 1] != k);
+}
+
+__global__ void __launch_bounds__(kBlock)
+    run_flags_kernel(const int64_t* __restrict__ sorted, int64_t total, int* __restrict__ flags) {
+  for (int64_t p = global_thread(); p < total; p += global_threads()) {
+    flags[p] = run_start(sorted, p) ? 1 : 0;
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    run_emit_kernel(const int64_t* __restrict__ sorted, int64_t total, const int* __restrict__ scan,
+                    int64_t* __restrict__ uniq) {
+  for (int64_t p = global_thread(); p < total; p += global_threads()) {
+    if (!run_start(sorted, p)) continue;
+    const int row = scan[p];
+    if (row >= 0 && row < total) uniq[row] = sorted[p];
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    pair_lookup_kernel(const int* __restrict__ indices, int n, Geometry g, int64_t total,
+                       const int64_t* __restrict__ keys, const int* __restrict__ vals,
+                       uint64_t mask, int n_rows, int* __restrict__ out_row,
+                       int* __restrict__ flags) {
+  for (int64_t e = global_thread(); e < total; e += global_threads()) {
+    const int64_t k = e / n;
+    const int64_t j = e - k * n;
+    const int64_t key = reached_key(g, indices + j * (g.ndim + 1), k);
+    int row = key >= 0 ? hash_lookup(keys, vals, mask, key) : -1;
+    if (row >= n_rows) row = -1;  // a row the table cannot hold (bad input): no pair
+    out_row[e] = row;
+    flags[e] = row >= 0 ? 1 : 0;
+  }
+  if (global_thread() == 0) flags[total] = 0;  // the scan's last entry: the grand total
+}
+
+__global__ void __launch_bounds__(kBlock)
+    pair_emit_kernel(int n, int64_t total, const int* __restrict__ out_row,
+                     const int* __restrict__ scan, int* __restrict__ pairs) {
+  for (int64_t e = global_thread(); e < total; e += global_threads()) {
+    const int row = out_row[e];
+    if (row < 0) continue;
+    const int64_t k = e / n;
+    const int64_t j = e - k * n;
+    const int64_t slot = static_cast<int64_t>(scan[e]) - scan[k * n];
+    if (slot < 0 || slot >= n) continue;
+    pairs[(2 * k) * n + slot] = static_cast<int>(j);
+    pairs[(2 * k + 1) * n + slot] = row;
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    pair_count_kernel(int n, int k_volume, const int* __restrict__ scan, int* __restrict__ num) {
+  for (int64_t k = global_thread(); k < k_volume; k += global_threads()) {
+    num[k] = scan[(k + 1) * n] - scan[k * n];
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    decode_kernel(const int64_t* __restrict__ keys, int m, Geometry g, int* __restrict__ out) {
+  for (int64_t r = global_thread(); r < m; r += global_threads()) {
+    int64_t key = keys[r];
+    if (key < 0) key = 0;  // bad input: a valid site instead of an unbounded value
+    int* row = out + r * (g.ndim + 1);
+    for (int a = g.ndim - 1; a >= 0; --a) {
+      row[a + 1] = static_cast<int>(key % g.out_shape[a]);
+      key /= g.out_shape[a];
+    }
+    row[0] = static_cast<int>(key < INT_MAX ? key : INT_MAX);
+  }
+}
+
+// ------------------------------------------------------------------------------ host helpers
+
+int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
+
+struct Layout {
+  int64_t out_row, scan, sums, ints;
+};
+
+Layout layout(int64_t total) {
+  Layout l;
+  l.out_row = 0;
+  l.scan = round4(total);
+  l.sums = l.scan + round4(total + 1);
+  l.ints = l.sums + round4(std::max<int64_t>(voxel::scan_tiles(total + 1), 1));
+  return l;
+}
+
+void check_candidates(int64_t k_volume, int64_t n) {
+  if (n > 0 && k_volume > kMaxCandidates / n) {
+    TVM_FFI_THROW(ValueError) << "K * N = " << k_volume << " * " << n
+                              << " candidates exceed the native limit of " << kMaxCandidates;
+  }
+}
+
+void copy_dims(const Shape& s, const char* name, int ndim, int64_t lo, int64_t* out) {
+  if (static_cast<int64_t>(s.size()) != ndim) {
+    TVM_FFI_THROW(ValueError) << name << " must have " << ndim << " values (one per spatial axis), "
+                              << "got " << s.size();
+  }
+  for (int a = 0; a < ndim; ++a) {
+    if (s[a] < lo || s[a] > INT_MAX) {
+      TVM_FFI_THROW(ValueError) << name << "[" << a << "] must be in [" << lo << ", " << INT_MAX
+                                << "], got " << s[a];
+    }
+    out[a] = s[a];
+  }
+}
+
+void check_key_range(int64_t batch, const int64_t* shape, int ndim, const char* what) {
+  int64_t v = batch;
+  for (int a = 0; a < ndim; ++a) {
+    if (v > (kKeyLimit - 1) / shape[a]) {
+      TVM_FFI_THROW(ValueError) << "batch_size * prod(" << what
+                                << ") exceeds the int64 key range (< 2**62)";
+    }
+    v *= shape[a];
+  }
+}
+
+int check_indices(const TensorView& indices, const char* name = "indices") {
+  check_gpu_tensor(indices, name);
+  check_input(indices, name, indices, kInt32);
+  check_ndim(indices, name, 2);
+  const int64_t cols = indices.size(1);
+  if (cols < 2 || cols > kMaxNdim + 1) {
+    TVM_FFI_THROW(ValueError) << name << " must be [N, ndim + 1] (batch, spatial...) with 1 <= "
+                              << "ndim <= " << kMaxNdim << ", got " << cols << " columns";
+  }
+  if (indices.size(0) > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << name << " has " << indices.size(0) << " rows; at most " << INT_MAX;
+  }
+  return static_cast<int>(cols - 1);
+}
+
+int64_t check_batch(int64_t batch_size) {
+  if (batch_size < 1 || batch_size > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "batch_size must be in [1, " << INT_MAX << "], got " << batch_size;
+  }
+  return batch_size;
+}
+
+// The table (keys [C] int64, vals [C] int32, C a power of two >= 2 * n); returns C - 1.
+uint64_t check_table(const TensorView& keys, const TensorView& vals, const TensorView& ref,
+                     int64_t n) {
+  check_input(keys, "table_keys", ref, kInt64);
+  check_ndim(keys, "table_keys", 1);
+  const int64_t cap = keys.size(0);
+  if (cap < 2 || (cap & (cap - 1)) != 0 || cap < 2 * n) {
+    TVM_FFI_THROW(ValueError) << "table_keys must hold a power of two >= max(2, 2 * " << n
+                              << ") slots, got " << cap;
+  }
+  check_vector(vals, "table_vals", ref, kInt32, cap);
+  return static_cast<uint64_t>(cap - 1);
+}
+
+void check_header(const TensorView& header, const TensorView& ref) {
+  check_vector(header, "header", ref, kInt32, kHeaderInts);
+}
+
+void check_workspace(const TensorView& ws, const TensorView& ref, int64_t total) {
+  check_input(ws, "workspace", ref, kInt32);
+  check_ndim(ws, "workspace", 1);
+  const int64_t need = layout(total).ints;
+  if (ws.size(0) < need) {
+    TVM_FFI_THROW(ValueError) << "workspace must hold " << need << " int32 (from "
+                              << "sparse_rulebook_workspace_ints), got " << ws.size(0);
+  }
+}
+
+void fill_table(const TensorView& keys, const TensorView& vals, int device_id, gpuStream_t st) {
+  const int64_t cap = keys.size(0);
+  launch_fill(data_of(keys), cap * 8, fill_word(-1), device_id, st, "sparse_hash_insert (keys)");
+  launch_fill(data_of(vals), cap * 4, fill_word(kNoRow), device_id, st,
+              "sparse_hash_insert (vals)");
+}
+
+// ------------------------------------------------------------------------------ entry points
+
+int64_t workspace_ints(int64_t k_volume, int64_t n) {
+  if (k_volume < 1 || k_volume > kMaxKernelVolume || n < 0) {
+    TVM_FFI_THROW(ValueError) << "sparse_rulebook_workspace_ints: K = " << k_volume << ", N = " << n
+                              << " out of range";
+  }
+  check_candidates(k_volume, n);
+  return layout(k_volume * n).ints;
+}
+
+// source: indices [N, ndim + 1] int32 (key of each row in the grid batch_size x shape; the row
+// is its position) or keys [M] int64 (the row is the position). The table is filled here.
+void hash_insert_entry(TensorView source, TensorView table_keys, TensorView table_vals,
+                       TensorView header, int64_t batch_size, Shape shape, int64_t stream) {
+  check_gpu_tensor(source, "source");
+  const bool rows = same_dtype(source.dtype(), kInt32);
+  Geometry g{};
+  int64_t n = 0;
+  if (rows) {
+    g.ndim = check_indices(source, "source");
+    n = source.size(0);
+    g.batch = check_batch(batch_size);
+    copy_dims(shape, "shape", g.ndim, 1, g.in_shape);
+  } else {
+    check_input(source, "source", source, kInt64);
+    check_ndim(source, "source", 1);
+    n = source.size(0);
+    if (n > INT_MAX) {
+      TVM_FFI_THROW(ValueError) << "source has " << n << " keys; at most " << INT_MAX;
+    }
+  }
+  const uint64_t mask = check_table(table_keys, table_vals, source, n);
+  check_header(header, source);
+  const int device_id = source.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  fill_table(table_keys, table_vals, device_id, st);
+  if (n == 0) return;
+  if (rows) {
+    insert_rows_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
+        data_of<const int>(source), static_cast<int>(n), g.ndim, g, data_of<int64_t>(table_keys),
+        data_of<int>(table_vals), mask, data_of<int>(header));
+    check_launch("sparse_hash_insert insert_rows_kernel");
+  } else {
+    insert_keys_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
+        data_of<const int64_t>(source), static_cast<int>(n), data_of<int64_t>(table_keys),
+        data_of<int>(table_vals), mask, data_of<int>(header));
+    check_launch("sparse_hash_insert insert_keys_kernel");
+  }
+}
+
+Geometry make_geometry(int ndim, int64_t batch_size, const Shape& spatial, const Shape& out_shape,
+                       const Shape& ksize, const Shape& stride, const Shape& padding,
+                       const Shape& dilation, int mode) {
+  Geometry g{};
+  g.ndim = ndim;
+  g.mode = mode;
+  g.batch = check_batch(batch_size);
+  copy_dims(spatial, "spatial_shape", ndim, 1, g.in_shape);
+  copy_dims(out_shape, "out_shape", ndim, 1, g.out_shape);
+  copy_dims(ksize, "kernel_size", ndim, 1, g.ksize);
+  copy_dims(stride, "stride", ndim, 1, g.stride);
+  copy_dims(padding, "padding", ndim, 0, g.pad);
+  copy_dims(dilation, "dilation", ndim, 1, g.dil);
+  int64_t k_volume = 1;
+  for (int a = 0; a < ndim; ++a) {
+    k_volume *= g.ksize[a];
+    if (k_volume > kMaxKernelVolume) {
+      TVM_FFI_THROW(ValueError) << "kernel_size has more than " << kMaxKernelVolume << " offsets";
+    }
+  }
+  check_key_range(g.batch, g.in_shape, ndim, "spatial_shape");
+  check_key_range(g.batch, g.out_shape, ndim, "out_shape");
+  return g;
+}
+
+int64_t kernel_volume(const Geometry& g) {
+  int64_t k = 1;
+  for (int a = 0; a < g.ndim; ++a) k *= g.ksize[a];
+  return k;
+}
+
+void candidates_entry(TensorView indices, TensorView cand, int64_t batch_size, Shape spatial,
+                      Shape out_shape, Shape ksize, Shape stride, Shape padding, Shape dilation,
+                      bool transposed, int64_t stream) {
+  const int ndim = check_indices(indices);
+  const Geometry g = make_geometry(ndim, batch_size, spatial, out_shape, ksize, stride, padding,
+                                   dilation, transposed ? kTransposed : kStrided);
+  const int64_t n = indices.size(0);
+  const int64_t k_volume = kernel_volume(g);
+  check_candidates(k_volume, n);
+  check_vector(cand, "cand", indices, kInt64, k_volume * n);
+  if (n == 0) return;
+  const int device_id = indices.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  candidates_kernel<<<blocks_for(k_volume * n, device_id), kBlock, 0, st>>>(
+      data_of<const int>(indices), static_cast<int>(n), g, k_volume * n, data_of<int64_t>(cand));
+  check_launch("sparse_rulebook_candidates candidates_kernel");
+}
+
+// sorted_keys [T] int64 ascending (kNoKey last) -> uniq [T] (the first M entries written),
+// header[kCount] = M.
+void unique_entry(TensorView sorted_keys, TensorView uniq, TensorView workspace, TensorView header,
+                  int64_t stream) {
+  check_gpu_tensor(sorted_keys, "sorted_keys");
+  check_input(sorted_keys, "sorted_keys", sorted_keys, kInt64);
+  check_ndim(sorted_keys, "sorted_keys", 1);
+  const int64_t total = sorted_keys.size(0);
+  if (total > kMaxCandidates) {
+    TVM_FFI_THROW(ValueError) << "sorted_keys has " << total << " entries; at most "
+                              << kMaxCandidates;
+  }
+  check_vector(uniq, "uniq", sorted_keys, kInt64, total);
+  check_workspace(workspace, sorted_keys, total);
+  check_header(header, sorted_keys);
+  const int device_id = sorted_keys.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  int* head = data_of<int>(header);
+  if (total == 0) {
+    launch_zero(head + kCount, 4, device_id, st, "sparse_rulebook_unique (count)");
+    return;
+  }
+  const Layout l = layout(total);
+  int* ws = data_of<int>(workspace);
+  int* flags = ws + l.scan;
+  run_flags_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
+      data_of<const int64_t>(sorted_keys), total, flags);
+  check_launch("sparse_rulebook_unique run_flags_kernel");
+  voxel::exclusive_scan(flags, flags, total, ws + l.sums, head + kCount, st,
+                        "sparse_rulebook_unique scan");
+  run_emit_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
+      data_of<const int64_t>(sorted_keys), total, flags, data_of<int64_t>(uniq));
+  check_launch("sparse_rulebook_unique run_emit_kernel");
+}
+
+// mode 0 SubM (table = the input keys, n_rows = N), 1 strided, 2 transposed (table = the output
+// keys, n_rows = M). pairs [K, 2, N] and pair_num [K] are written in full.
+void forward_entry(TensorView indices, TensorView table_keys, TensorView table_vals,
+                   TensorView workspace, TensorView pairs, TensorView pair_num, int64_t batch_size,
+                   Shape spatial, Shape out_shape, Shape ksize, Shape stride, Shape padding,
+                   Shape dilation, int64_t mode, int64_t n_rows, int64_t stream) {
+  const int ndim = check_indices(indices);
+  if (mode != kSubm && mode != kStrided && mode != kTransposed) {
+    TVM_FFI_THROW(ValueError) << "mode must be 0 (subm), 1 (strided) or 2 (transposed), got "
+                              << mode;
+  }
+  const Geometry g = make_geometry(ndim, batch_size, spatial, out_shape, ksize, stride, padding,
+                                   dilation, static_cast<int>(mode));
+  const int64_t n = indices.size(0);
+  const int64_t k_volume = kernel_volume(g);
+  check_candidates(k_volume, n);
+  if (n_rows < 0 || n_rows > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "n_rows must be in [0, " << INT_MAX << "], got " << n_rows;
+  }
+  const uint64_t mask = check_table(table_keys, table_vals, indices, n_rows);
+  const int64_t total = k_volume * n;
+  check_workspace(workspace, indices, total);
+  check_input(pairs, "pairs", indices, kInt32);
+  check_ndim(pairs, "pairs", 3);
+  check_size(pairs, "pairs", 0, k_volume);
+  check_size(pairs, "pairs", 1, 2);
+  check_size(pairs, "pairs", 2, n);
+  check_vector(pair_num, "pair_num", indices, kInt32, k_volume);
+  const int device_id = indices.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  if (n == 0) {
+    launch_zero(data_of(pair_num), k_volume * 4, device_id, st, "sparse_rulebook_forward (num)");
+    return;
+  }
+  const Layout l = layout(total);
+  int* ws = data_of<int>(workspace);
+  int* out_row = ws + l.out_row;
+  int* scan = ws + l.scan;
+  pair_lookup_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
+      data_of<const int>(indices), static_cast<int>(n), g, total,
+      data_of<const int64_t>(table_keys), data_of<const int>(table_vals), mask,
+      static_cast<int>(n_rows), out_row, scan);
+  check_launch("sparse_rulebook_forward pair_lookup_kernel");
+  voxel::exclusive_scan(scan, scan, total + 1, ws + l.sums, nullptr, st,
+                        "sparse_rulebook_forward scan");
+  launch_fill(data_of(pairs), 2 * total * 4, fill_word(-1), device_id, st,
+              "sparse_rulebook_forward (pairs fill)");
+  pair_emit_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
+      static_cast<int>(n), total, out_row, scan, data_of<int>(pairs));
+  check_launch("sparse_rulebook_forward pair_emit_kernel");
+  pair_count_kernel<<<blocks_for(k_volume, device_id), kBlock, 0, st>>>(
+      static_cast<int>(n), static_cast<int>(k_volume), scan, data_of<int>(pair_num));
+  check_launch("sparse_rulebook_forward pair_count_kernel");
+}
+
+void decode_entry(TensorView keys, TensorView out_indices, int64_t batch_size, Shape out_shape,
+                  int64_t stream) {
+  check_gpu_tensor(keys, "keys");
+  check_input(keys, "keys", keys, kInt64);
+  check_ndim(keys, "keys", 1);
+  const int64_t m = keys.size(0);
+  if (m > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "keys has " << m << " entries; at most " << INT_MAX;
+  }
+  check_input(out_indices, "out_indices", keys, kInt32);
+  check_ndim(out_indices, "out_indices", 2);
+  const int64_t cols = out_indices.size(1);
+  if (cols < 2 || cols > kMaxNdim + 1) {
+    TVM_FFI_THROW(ValueError) << "out_indices must have 2 to " << kMaxNdim + 1 << " columns, got "
+                              << cols;
+  }
+  check_size(out_indices, "out_indices", 0, m);
+  Geometry g{};
+  g.ndim = static_cast<int>(cols - 1);
+  g.batch = check_batch(batch_size);
+  copy_dims(out_shape, "out_shape", g.ndim, 1, g.out_shape);
+  check_key_range(g.batch, g.out_shape, g.ndim, "out_shape");
+  if (m == 0) return;
+  const int device_id = keys.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  decode_kernel<<<blocks_for(m, device_id), kBlock, 0, st>>>(
+      data_of<const int64_t>(keys), static_cast<int>(m), g, data_of<int>(out_indices));
+  check_launch("sparse_rulebook_decode decode_kernel");
+}
+
+}  // namespace
+}  // namespace sparse
+}  // namespace muspace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_workspace_ints, muspace::sparse::workspace_ints);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_hash_insert, muspace::sparse::hash_insert_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_candidates, muspace::sparse::candidates_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_unique, muspace::sparse::unique_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_forward, muspace::sparse::forward_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_decode, muspace::sparse::decode_entry);
