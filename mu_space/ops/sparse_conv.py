@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from mu_space.ops import _opdef, _sparse
+from mu_space.ops import _opdef, _sparse, _sparse_native
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 
-ENTRY_POINTS = ("sparse_conv_forward", "sparse_conv_backward")
+ENTRY_POINTS = _sparse_native.PAIR_ENTRY_POINTS  # check, gather, scatter (torch.mm between)
 
 
 def _check(features, weight, indice_pairs, indice_pair_num, num_out, inverse) -> _opdef.Checked:
@@ -143,14 +143,15 @@ OP = _opdef.define(
         "int num_out, bool inverse) -> Tensor",
         check=_check,
         reference=sparse_conv_reference,
-        native=None,  # gather / GEMM / scatter kernels go here (module docstring)
+        native=_sparse_native.conv_native,  # gather / torch.mm / scatter (_sparse_native.py)
         backward=_opdef.Backward(
             inputs=("features", "weight"),
             reference=sparse_conv_backward_reference,
-            native=None,
+            native=_sparse_native.conv_backward_native,
         ),
         precondition=_precondition,
         native_dtypes=_sparse.NATIVE_FEATURE_DTYPES,
+        unverified=_sparse_native.UNVERIFIED,
         entry_points=ENTRY_POINTS,
         samples=_samples,
         upstream="spconv 2.x `SubMConv3d` / `SparseConv3d` / `SparseInverseConv3d` "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from mu_space.ops import _opdef, _sparse
+from mu_space.ops import _opdef, _sparse, _sparse_native
 
 ENTRY_POINTS = ("sparse_maxpool_forward", "sparse_maxpool_backward")
 
@@ -124,12 +124,15 @@ OP = _opdef.define(
         "-> Tensor",
         check=_check,
         reference=sparse_maxpool_reference,
-        native=None,  # the rule-book max / arg-compare kernels go here (module docstring)
+        native=_sparse_native.maxpool_native,  # per-offset max kernels (_sparse_native.py)
         backward=_opdef.Backward(
-            inputs=("features",), reference=sparse_maxpool_backward_reference, native=None
+            inputs=("features",),
+            reference=sparse_maxpool_backward_reference,
+            native=_sparse_native.maxpool_backward_native,
         ),
         precondition=_precondition,
         native_dtypes=_sparse.NATIVE_FEATURE_DTYPES,
+        unverified=_sparse_native.UNVERIFIED,
         entry_points=ENTRY_POINTS,
         samples=_samples,
         upstream="spconv 2.x `SparseMaxPool3d` (`mu_space.sparse`), mmcv "

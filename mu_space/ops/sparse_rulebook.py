@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from mu_space.ops import _opdef, _sparse
+from mu_space.ops import _opdef, _sparse, _sparse_native
 
 
 class RuleBook(NamedTuple):
@@ -183,7 +183,8 @@ OP = _opdef.define(
         "bool transposed) -> (Tensor, Tensor, Tensor)",
         check=_check,
         reference=sparse_rulebook_reference,
-        native=None,  # the GPU hash-table / sort rule-book kernel goes here (module docstring)
+        native=_sparse_native.rulebook_native,  # hash table + compaction (_sparse_native.py)
+        unverified=_sparse_native.UNVERIFIED,
         fake=_fake,
         result=RuleBook,
         native_dtypes=(torch.int32,),

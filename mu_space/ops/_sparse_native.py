@@ -1,0 +1,360 @@
+"""Native paths of the sparse-convolution family (csrc/sparse/, docs/operators/sparse_conv.md
+"Native kernels"): sparse_rulebook, sparse_conv (forward and backward) and sparse_maxpool
+(forward and backward). Outputs and workspaces are allocated here; every entry point runs on
+the caller's stream (`stream_handle`).
+
+Rule book (`rulebook_native`), the reference's layout and order element by element:
+  1. `sparse_hash_insert`: a GPU hash table (open addressing, power-of-two capacity >= 2N,
+     linear probing bounded by the capacity) of the input keys; rows outside the grid and
+     repeated sites set header flags; a repeated key keeps its first row.
+  SubM:
+  2. `sparse_rulebook_forward` (mode 0): for every (offset k, input j) the reached site looked
+     up in the input table -> output row or -1; an exclusive scan of the flags over the
+     flattened [K, N] candidates; the pairs of offset k are the flagged j in ascending order
+     (slot = scan[k N + j] - scan[k N]), then -1; the K counts.
+  3. one host synchronisation: the header (flags) -> the reference's error when a flag is set.
+  strided / transposed:
+  2. `sparse_rulebook_candidates`: the key each (k, j) reaches ([K N] int64, LLONG_MAX where
+     none); 3. torch.sort of the candidates (values only: the one step done by torch, between
+     two launches, no synchronisation); 4. `sparse_rulebook_unique`: run starts + scan -> the
+     sorted unique keys (ascending linearised (b, z, y, x), the reference's output order) and M;
+  5. one host synchronisation: the header (flags and M); 6. `sparse_hash_insert` of the M
+     output keys (capacity >= 2M, row = rank); 7. `sparse_rulebook_forward` (mode 1 / 2):
+     lookups in the output table, the same per-offset compaction; 8. `sparse_rulebook_decode`.
+
+Convolution (`conv_native`, `conv_backward_native`): `sparse_pairs_check` (counts, starts and
+row checks; its header is the op's one host synchronisation), `sparse_conv_gather` (the rows of
+one side of every offset into one float32 buffer, one launch), torch.mm per offset in float32
+(cuBLAS / muBLAS; the reference's shapes and operands), `sparse_conv_scatter` (per offset, in
+offset order, plain float32 adds: the rows of an offset are distinct), one cast at the end.
+Backward: grad_features gathers grad_out at the scatter side, mm with weight[k]^T, scatters to
+the gather side; grad_weight[k] = gathered_features_k^T @ gathered_grad_k.
+
+Max pool (`maxpool_native`, `maxpool_backward_native`): the same check, then one kernel launch
+per offset (in order) for the maximum, and for the gradient into a float32 buffer.
+
+Sizes beyond the kernels' int32 limits (K * N candidates, K * P pairs) take the reference on
+the same device; a flagged error re-runs the reference, which raises its own message.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mu_space.ops import _opdef
+from mu_space.runtime import native
+from mu_space.runtime.device import stream_handle
+
+UNVERIFIED = "issue 11: kernels compiled (nvcc, clang), not yet run on a GPU"
+RULEBOOK_ENTRY_POINTS = (
+    "sparse_rulebook_forward",
+    "sparse_rulebook_workspace_ints",
+    "sparse_hash_insert",
+    "sparse_rulebook_candidates",
+    "sparse_rulebook_unique",
+    "sparse_rulebook_decode",
+)
+PAIR_ENTRY_POINTS = ("sparse_pairs_check", "sparse_conv_gather", "sparse_conv_scatter")
+
+# header of sparse_hash_insert / sparse_rulebook_unique
+_BAD, _DUP, _COUNT, _FULL = range(4)
+_KEY_NONE = 2**63 - 1
+
+
+def native_shape(values):
+    """A TVM-FFI Shape (an int64 array passed by value) of `values`."""
+    import tvm_ffi
+
+    return tvm_ffi.Shape(tuple(int(v) for v in values))
+
+
+def table_capacity(n: int) -> int:
+    """The hash table's slots for n keys: the smallest power of two >= max(2, 2n)."""
+    return 1 << max(1, (2 * n - 1).bit_length())
+
+
+def _workspace(n: int, dtype, device) -> torch.Tensor:
+    with _opdef.no_fill():  # written by the kernels before they read it
+        return torch.empty(n, dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------- the rule book
+
+
+def _rulebook_reference(args):
+    from mu_space.ops.sparse_rulebook import sparse_rulebook_reference
+
+    return sparse_rulebook_reference(*args)
+
+
+def insert_table(source, batch_size, shape, header, st):
+    """A hash table of `source` (indices [N, ndim + 1] int32 or keys [M] int64) -> (keys, vals)."""
+    cap = table_capacity(source.shape[0])
+    keys = _workspace(cap, torch.int64, source.device)
+    vals = _workspace(cap, torch.int32, source.device)
+    native.function("sparse_hash_insert")(
+        source, keys, vals, header, batch_size, native_shape(shape), st
+    )
+    return keys, vals
+
+
+def _geometry(info):
+    return tuple(
+        native_shape(info[k])
+        for k in ("spatial", "out_shape", "ksize", "stride", "padding", "dilation")
+    )
+
+
+def rulebook_pairs(indices, table, workspace, info, mode: int, n_rows: int, st):
+    """sparse_rulebook_forward -> (indice_pairs [K, 2, N], indice_pair_num [K])."""
+    n, K = info["n"], info["K"]
+    pairs = _opdef.new_output(indices, (K, 2, n), torch.int32)
+    num = _opdef.new_output(indices, (K,), torch.int32)
+    native.function("sparse_rulebook_forward")(
+        indices, *table, workspace, pairs, num, info["batch_size"], *_geometry(info), mode,
+        n_rows, st,
+    )  # fmt: skip
+    return pairs, num
+
+
+def rulebook_candidates(indices, info, st):
+    cand = _workspace(info["K"] * info["n"], torch.int64, indices.device)
+    spatial, out_shape, ksize, stride, padding, dilation = _geometry(info)
+    native.function("sparse_rulebook_candidates")(
+        indices, cand, info["batch_size"], spatial, out_shape, ksize, stride, padding, dilation,
+        info["transposed"], st,
+    )  # fmt: skip
+    return cand
+
+
+def rulebook_unique(sorted_keys, uniq, workspace, header, st):
+    native.function("sparse_rulebook_unique")(sorted_keys, uniq, workspace, header, st)
+
+
+def rulebook_decode(keys, info, st):
+    out = _opdef.new_output(keys, (keys.shape[0], info["ndim"] + 1), torch.int32)
+    native.function("sparse_rulebook_decode")(
+        keys, out, info["batch_size"], native_shape(info["out_shape"]), st
+    )
+    return out
+
+
+@torch.no_grad()
+def rulebook_native(c, *args):
+    """The native sparse_rulebook (module docstring) -> RuleBook."""
+    from mu_space.ops.sparse_rulebook import RuleBook
+
+    info = c.info
+    indices = args[0]
+    n, K = info["n"], info["K"]
+    if n == 0 or K * n > native.limit("sparse_rulebook.max_candidates"):
+        return _rulebook_reference(args)  # nothing to launch / beyond the int32 candidates
+    indices = indices.contiguous()
+    st = stream_handle(indices)
+    dev = indices.device
+    header = torch.zeros(4, dtype=torch.int32, device=dev)
+    ws = _workspace(int(native.function("sparse_rulebook_workspace_ints")(K, n)), torch.int32, dev)
+    table = insert_table(indices, info["batch_size"], info["spatial"], header, st)
+    if info["subm"]:
+        pairs, num = rulebook_pairs(indices, table, ws, info, 0, n, st)
+        bad, dup, _, full = header.tolist()  # the one host synchronisation
+        if bad or dup or full:
+            return _rulebook_reference(args)  # raises the reference's message
+        return RuleBook(indices.clone(), pairs, num)
+    cand = rulebook_candidates(indices, info, st)
+    sorted_keys = torch.sort(cand).values  # ascending; LLONG_MAX (no output) last
+    uniq = cand  # the candidates are dead once sorted: their buffer takes the unique keys
+    rulebook_unique(sorted_keys, uniq, ws, header, st)
+    del sorted_keys
+    bad, dup, m, full = header.tolist()  # the one host synchronisation (flags and M)
+    if bad or dup or full:
+        return _rulebook_reference(args)
+    out_keys = uniq[:m]
+    out_header = torch.zeros(4, dtype=torch.int32, device=dev)
+    out_table = insert_table(out_keys, info["batch_size"], info["out_shape"], out_header, st)
+    pairs, num = rulebook_pairs(indices, out_table, ws, info, 2 if info["transposed"] else 1, m, st)
+    out_indices = rulebook_decode(out_keys, info, st)
+    return RuleBook(out_indices, pairs, num)
+
+
+# --------------------------------------------------------------------------- pairs
+
+
+def check_pairs(indice_pairs, indice_pair_num, n_in: int, n_out: int, inverse: bool, st):
+    """sparse_pairs_check -> (header [2K + 3] int32 on the device, host counts [K], bad):
+    the one host synchronisation of the conv / pool paths."""
+    K = indice_pairs.shape[0]
+    header = _workspace(2 * K + 3, torch.int32, indice_pairs.device)
+    native.function("sparse_pairs_check")(
+        indice_pairs, indice_pair_num, header, n_in, n_out, inverse, st
+    )
+    values = header.tolist()
+    return header, values[:K], bool(values[2 * K + 1] or values[2 * K + 2])
+
+
+def gather(src, indice_pairs, header, total: int, side: int, st):
+    """float32 [total, C]: src's rows at `side` of every offset's pairs, offset after offset."""
+    K = indice_pairs.shape[0]
+    out = _workspace((total, src.shape[1]), torch.float32, src.device)
+    native.function("sparse_conv_gather")(src, indice_pairs, header[K : 2 * K + 1], out, side, st)
+    return out
+
+
+def scatter(products, indice_pairs, counts, acc, side: int, st):
+    native.function("sparse_conv_scatter")(
+        products, indice_pairs, native_shape(counts), acc, side, st
+    )
+
+
+def _per_offset(counts):
+    start = 0
+    for k, count in enumerate(counts):
+        if count:
+            yield k, slice(start, start + count)
+        start += count
+
+
+def _too_many_pairs(indice_pairs, op: str) -> bool:
+    K, _, P = indice_pairs.shape
+    return K * P > native.limit(f"{op}.max_pairs")
+
+
+# --------------------------------------------------------------------------- conv
+
+
+def _conv_prologue(c, features, indice_pairs, indice_pair_num, op: str = "sparse_conv"):
+    n, m, K, c_in, c_out, inverse = c.info
+    feats = features.contiguous()
+    pairs = indice_pairs.contiguous()
+    st = stream_handle(feats)
+    header, counts, bad = check_pairs(pairs, indice_pair_num.contiguous(), n, m, inverse, st)
+    return feats, pairs, st, header, counts, bad
+
+
+@torch.no_grad()  # torch.mm(out=...) on buffers; the op's autograd is its own
+def conv_native(c, features, weight, indice_pairs, indice_pair_num, num_out, inverse):
+    """The native sparse_conv forward (module docstring) -> [num_out, C_out]."""
+    from mu_space.ops.sparse_conv import sparse_conv_reference
+
+    args = (features, weight, indice_pairs, indice_pair_num, num_out, inverse)
+    if _too_many_pairs(indice_pairs, "sparse_conv"):
+        return sparse_conv_reference(*args)
+    n, m, K, c_in, c_out, inverse = c.info
+    feats, pairs, st, header, counts, bad = _conv_prologue(
+        c, features, indice_pairs, indice_pair_num
+    )
+    if bad:
+        return sparse_conv_reference(*args)  # raises the reference's message
+    out = torch.zeros((m, c_out), dtype=torch.float32, device=feats.device)
+    total = sum(counts)
+    if total and m and c_out:
+        gather_side, scatter_side = (1, 0) if inverse else (0, 1)
+        x = gather(feats, pairs, header, total, gather_side, st)
+        w = weight.to(torch.float32).contiguous()
+        prod = _workspace((total, c_out), torch.float32, feats.device)
+        for k, rows in _per_offset(counts):
+            torch.mm(x[rows], w[k], out=prod[rows])
+        scatter(prod, pairs, counts, out, scatter_side, st)
+    return out if features.dtype == torch.float32 else out.to(features.dtype)
+
+
+@torch.no_grad()  # torch.mm(out=...) on buffers; the op's autograd is its own
+def conv_backward_native(
+    c, grad_out, features, weight, indice_pairs, indice_pair_num, num_out, inverse, *, needs,
+    deterministic,
+):  # fmt: skip
+    """(grad_features [N, C_in], grad_weight [K, C_in, C_out]); deterministic either way."""
+    from mu_space.ops.sparse_conv import sparse_conv_backward_reference
+
+    args = (grad_out, features, weight, indice_pairs, indice_pair_num, num_out, inverse)
+    if _too_many_pairs(indice_pairs, "sparse_conv"):
+        return sparse_conv_backward_reference(*args)
+    n, m, K, c_in, c_out, inverse = c.info
+    feats, pairs, st, header, counts, bad = _conv_prologue(
+        c, features, indice_pairs, indice_pair_num
+    )
+    if bad:
+        return sparse_conv_backward_reference(*args)
+    dev = feats.device
+    grad_x = torch.zeros((n, c_in), dtype=torch.float32, device=dev) if needs[0] else None
+    grad_w = torch.zeros((K, c_in, c_out), dtype=torch.float32, device=dev) if needs[1] else None
+    total = sum(counts)
+    if total and c_in and c_out:
+        gather_side, scatter_side = (1, 0) if inverse else (0, 1)
+        g = gather(grad_out.contiguous(), pairs, header, total, scatter_side, st)
+        if grad_w is not None:
+            x = gather(feats, pairs, header, total, gather_side, st)
+            for k, rows in _per_offset(counts):
+                torch.mm(x[rows].t(), g[rows], out=grad_w[k])
+            del x
+        if grad_x is not None:
+            w = weight.to(torch.float32).contiguous()
+            prod = _workspace((total, c_in), torch.float32, dev)
+            for k, rows in _per_offset(counts):
+                torch.mm(g[rows], w[k].t(), out=prod[rows])
+            scatter(prod, pairs, counts, grad_x, gather_side, st)
+    if grad_x is not None and features.dtype != torch.float32:
+        grad_x = grad_x.to(features.dtype)
+    if grad_w is not None and weight.dtype != torch.float32:
+        grad_w = grad_w.to(weight.dtype)
+    return grad_x, grad_w
+
+
+# --------------------------------------------------------------------------- max pool
+
+
+def pool_forward(feats, pairs, counts, m: int, st):
+    out = _opdef.new_output(feats, (m, feats.shape[1]))
+    hit = _workspace(m, torch.int32, feats.device)
+    native.function("sparse_maxpool_forward")(feats, pairs, native_shape(counts), out, hit, st)
+    return out
+
+
+def _pool_prologue(c, features, indice_pairs, indice_pair_num):
+    n, m, K, C = c.info
+    feats = features.contiguous()
+    pairs = indice_pairs.contiguous()
+    st = stream_handle(feats)
+    _, counts, bad = check_pairs(pairs, indice_pair_num.contiguous(), n, m, False, st)
+    return feats, pairs, st, counts, bad
+
+
+@torch.no_grad()
+def maxpool_native(c, features, indice_pairs, indice_pair_num, num_out):
+    """The native sparse_maxpool forward -> [num_out, C]."""
+    from mu_space.ops.sparse_maxpool import sparse_maxpool_reference
+
+    args = (features, indice_pairs, indice_pair_num, num_out)
+    if _too_many_pairs(indice_pairs, "sparse_maxpool"):
+        return sparse_maxpool_reference(*args)
+    feats, pairs, st, counts, bad = _pool_prologue(c, features, indice_pairs, indice_pair_num)
+    if bad:
+        return sparse_maxpool_reference(*args)
+    return pool_forward(feats, pairs, counts, c.info[1], st)
+
+
+@torch.no_grad()
+def maxpool_backward_native(
+    c, grad_out, features, indice_pairs, indice_pair_num, num_out, *, needs, deterministic
+):
+    """(grad_features [N, C],): the forward recomputed natively, then the tie-rule gradient."""
+    from mu_space.ops.sparse_maxpool import sparse_maxpool_backward_reference
+
+    args = (grad_out, features, indice_pairs, indice_pair_num, num_out)
+    if _too_many_pairs(indice_pairs, "sparse_maxpool"):
+        return sparse_maxpool_backward_reference(*args)
+    feats, pairs, st, counts, bad = _pool_prologue(c, features, indice_pairs, indice_pair_num)
+    if bad:
+        return sparse_maxpool_backward_reference(*args)
+    out = pool_forward(feats, pairs, counts, c.info[1], st)
+    acc = pool_backward(grad_out.to(feats.dtype).contiguous(), feats, out, pairs, counts, st)
+    return (acc if features.dtype == torch.float32 else acc.to(features.dtype),)
+
+
+def pool_backward(grad_out, feats, out, pairs, counts, st):
+    """sparse_maxpool_backward -> the float32 gradient [N, C] (zeroed by the kernel)."""
+    acc = _workspace(tuple(feats.shape), torch.float32, feats.device)
+    native.function("sparse_maxpool_backward")(
+        grad_out, feats, out, pairs, native_shape(counts), acc, st
+    )
+    return acc

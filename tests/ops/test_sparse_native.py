@@ -1,0 +1,219 @@
+"""The native sparse kernels (csrc/sparse/) against the references on a GPU (skipped without
+one): voxelized synthetic LiDAR frames (mu_space.testing.lidar, nuScenes 10-sweep clouds,
+CenterPoint's 0.075 m grid, SparseEncoder's sparse shape [41, 1440, 1440]), the layers such a
+backbone runs (SubM k3, strided k3 s2 p1, SECOND's (3, 1, 1) s (2, 1, 1) down-sampling, the
+transposed and inverse convs), outputs poisoned (NaN / -1) before the call:
+- rule books equal element by element (pairs, counts, out_indices);
+- conv forward / backward and max pool within the tolerance table (mu_space/testing/
+  tolerances.py, row sparse_conv), float32 / float16 / bfloat16, odd channel counts (the scalar
+  path) and aligned ones (16-byte vectors);
+- bit-exact reruns under torch.use_deterministic_algorithms(True);
+- empty inputs, and the reference's errors (duplicate sites, rows outside the grid, bad pairs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from mu_space.ops import _opdef, _sparse
+from mu_space.ops.sparse_conv import sparse_conv
+from mu_space.ops.sparse_maxpool import sparse_maxpool
+from mu_space.ops.sparse_rulebook import sparse_rulebook
+from mu_space.testing import lidar, tolerances
+from tests.helpers import native_gpu_device
+
+CONFIG = "centerpoint-0075-nus"
+SPARSE_SHAPE = [41, 1440, 1440]  # CenterPoint's SparseEncoder: grid z 40 + 1
+
+
+@functools.lru_cache(maxsize=2)
+def _frames(frames: int, keep: int):
+    """(indices [N, 4] int32 (b, z, y, x) on the GPU, batch): voxels of `frames` generated
+    nuScenes frames on the CenterPoint grid, the first `keep` of each (a subset: the reference
+    paths stay quick), made on the GPU by the reference voxelization."""
+    from mu_space.ops.voxelization import voxelization
+
+    device = native_gpu_device()
+    vs, pcr, max_pts, max_vox = lidar.layer_args(CONFIG)
+    rows = []
+    for b, pts in enumerate(lidar.batch(lidar.VOXEL_CONFIGS[CONFIG].cloud, frames)):
+        _, coors, _ = voxelization(pts.to(device), vs, pcr, max_pts, max_vox, backend="reference")
+        rows.append(torch.nn.functional.pad(coors[:keep], (1, 0), value=b))
+    return torch.cat(rows).to(torch.int32), frames
+
+
+def lidar_indices(frames=2, keep=20000):
+    idx, batch = _frames(frames, keep)
+    return idx.clone(), batch
+
+
+LAYERS = {
+    "subm k3": (3, 1, 1, 1, 0, True, False),
+    "strided k3 s2 p1": (3, 2, 1, 1, 0, False, False),
+    "second (3, 1, 1) s (2, 1, 1)": ([3, 1, 1], [2, 1, 1], 0, 1, 0, False, False),
+    "subm k3 dilation 2": (3, 1, 2, 2, 0, True, False),
+    "transposed k2 s2": (2, 2, 0, 1, 0, False, True),
+}
+
+
+def _rulebook(idx, batch, layer, backend, shape=SPARSE_SHAPE):
+    return sparse_rulebook(idx, batch, shape, *LAYERS[layer], backend=backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_rulebook_equals_the_reference_element_by_element(layer):
+    idx, batch = lidar_indices()
+    if LAYERS[layer][-1]:  # transposed: on the down-sampled sites (a decoder's input)
+        idx = _rulebook(idx, batch, "strided k3 s2 p1", "reference").out_indices
+        shape = _sparse.conv_output_size(SPARSE_SHAPE, [3] * 3, [2] * 3, [1] * 3, [1] * 3)
+    else:
+        shape = SPARSE_SHAPE
+    want = _rulebook(idx, batch, layer, "reference", shape)
+    with _opdef.poisoned_outputs():
+        got = _rulebook(idx, batch, layer, "native", shape)
+    for name, g, w in zip(("out_indices", "indice_pairs", "indice_pair_num"), got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), f"{layer}: {name} differs"
+
+
+@pytest.mark.gpu
+def test_rulebook_order_of_the_input_rows_only_permutes_subm():
+    idx, batch = lidar_indices(keep=5000)
+    perm = torch.randperm(len(idx), device=idx.device, generator=None)
+    for layer in ("subm k3", "strided k3 s2 p1"):
+        want = _rulebook(idx[perm], batch, layer, "reference")
+        got = _rulebook(idx[perm], batch, layer, "native")
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), layer
+
+
+def _feats(n, c, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(n, c, device="cuda", generator=gen).to(dtype)
+
+
+CONVS = [
+    ("subm k3", 16, 32, False),
+    ("strided k3 s2 p1", 16, 32, False),
+    ("strided k3 s2 p1", 32, 16, True),  # the inverse conv of that layer
+    ("second (3, 1, 1) s (2, 1, 1)", 5, 7, False),  # odd channels: the scalar path
+    ("subm k3", 4, 3, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("layer", "c_in", "c_out", "inverse"), CONVS)
+def test_conv_forward_and_backward_match_the_reference(layer, c_in, c_out, inverse, dtype):
+    idx, batch = lidar_indices(keep=8000)
+    rb = _rulebook(idx, batch, layer, "reference")
+    n_in, n_out = (len(rb.out_indices), len(idx)) if inverse else (len(idx), len(rb.out_indices))
+    K = rb.indice_pairs.shape[0]
+    x = _feats(n_in, c_in, dtype, 1).requires_grad_()
+    w = _feats(K, c_in * c_out, torch.float32, 2).reshape(K, c_in, c_out) / (K * c_in) ** 0.5
+    w = w.to(dtype).requires_grad_()
+    args = (rb.indice_pairs, rb.indice_pair_num, n_out, inverse)
+    want = sparse_conv(x, w, *args, backend="reference")
+    with _opdef.poisoned_outputs():
+        got = sparse_conv(x, w, *args, backend="native")
+    tolerances.assert_close(got, want, op="sparse_conv")
+    g = _feats(n_out, c_out, dtype, 3)
+    want_g = torch.autograd.grad(want, (x, w), g)
+    with _opdef.poisoned_outputs():
+        got_g = torch.autograd.grad(got, (x, w), g)
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
+@pytest.mark.gpu
+def test_conv_is_bit_exact_under_deterministic_algorithms():
+    idx, batch = lidar_indices(keep=8000)
+    rb = _rulebook(idx, batch, "strided k3 s2 p1", "native")
+    x = _feats(len(idx), 16, torch.float16, 4).requires_grad_()
+    w = (_feats(27, 16 * 32, torch.float32, 5).reshape(27, 16, 32) / 20).half().requires_grad_()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            out = sparse_conv(x, w, rb.indice_pairs, rb.indice_pair_num, len(rb.out_indices),
+                              backend="native")  # fmt: skip
+            runs.append((out, *torch.autograd.grad(out, (x, w), torch.ones_like(out))))
+        rbs = [_rulebook(idx, batch, "strided k3 s2 p1", "native") for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert all(torch.equal(a, b) for a, b in zip(*rbs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channels", [16, 5])
+def test_maxpool_matches_the_reference_with_ties_and_nan(dtype, channels):
+    idx, batch = lidar_indices(keep=8000)
+    rb = _rulebook(idx, batch, "strided k3 s2 p1", "reference")
+    m = len(rb.out_indices)
+    f = _feats(len(idx), channels, torch.float32, 6).round(decimals=1).to(dtype)  # ties
+    f[5, 0], f[100:120] = torch.nan, -torch.inf
+    f.requires_grad_()
+    want = sparse_maxpool(f, rb.indice_pairs, rb.indice_pair_num, m, backend="reference")
+    with _opdef.poisoned_outputs():
+        got = sparse_maxpool(f, rb.indice_pairs, rb.indice_pair_num, m, backend="native")
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.detach().nan_to_num(3.0), want.detach().nan_to_num(3.0))
+    g = _feats(m, channels, dtype, 7)
+    (want_g,) = torch.autograd.grad(want, f, g)
+    with _opdef.poisoned_outputs():
+        (got_g,) = torch.autograd.grad(got, f, g)
+    tolerances.assert_close(got_g, want_g, op="sparse_maxpool", name="grad")
+
+
+@pytest.mark.gpu
+def test_empty_inputs():
+    device = native_gpu_device()
+    idx = torch.zeros((0, 4), dtype=torch.int32, device=device)
+    for layer in ("subm k3", "strided k3 s2 p1"):
+        got = _rulebook(idx, 1, layer, "native")
+        want = _rulebook(idx, 1, layer, "reference")
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    pairs = torch.full((27, 2, 0), -1, dtype=torch.int32, device=device)
+    num = torch.zeros(27, dtype=torch.int32, device=device)
+    x = torch.zeros((0, 4), device=device, requires_grad=True)
+    w = torch.ones((27, 4, 8), device=device, requires_grad=True)
+    out = sparse_conv(x, w, pairs, num, 3, backend="native")
+    assert torch.equal(out, torch.zeros(3, 8, device=device))
+    gx, gw = torch.autograd.grad(out, (x, w), torch.ones_like(out))
+    assert gx.shape == (0, 4) and torch.equal(gw, torch.zeros_like(w))
+    pooled = sparse_maxpool(x, pairs, num, 2, backend="native")
+    assert torch.equal(pooled, torch.zeros(2, 4, device=device))
+    # sites that reach no output (a strided layer whose window misses every site)
+    one = torch.tensor([[0, 0, 0, 1]], dtype=torch.int32, device=device)
+    for backend in ("reference", "native"):
+        rb = sparse_rulebook(one, 1, [1, 1, 3], [1, 1, 2], [1, 1, 2], 0, 1, 0, False, False,
+                             backend=backend)  # fmt: skip
+        assert rb.out_indices.shape == (0, 4) and int(rb.indice_pair_num.sum()) == 0
+
+
+@pytest.mark.gpu
+def test_native_raises_the_reference_errors():
+    idx, batch = lidar_indices(keep=2000)
+    dup = torch.cat([idx, idx[7:8]])
+    bad = idx.clone()
+    bad[11, 2] = SPARSE_SHAPE[1]
+    for layer in ("subm k3", "strided k3 s2 p1"):
+        with pytest.raises(ValueError, match="duplicate"):
+            _rulebook(dup, batch, layer, "native")
+        with pytest.raises(ValueError, match="outside"):
+            _rulebook(bad, batch, layer, "native")
+    rb = _rulebook(idx, batch, "subm k3", "native")
+    x = _feats(len(idx), 4, torch.float32, 8)
+    w = torch.ones(27, 4, 4, device=x.device)
+    pairs = rb.indice_pairs.clone()
+    pairs[3, 1, 0] = len(idx)
+    with pytest.raises(ValueError, match="indice_pairs"):
+        sparse_conv(x, w, pairs, rb.indice_pair_num, len(idx), backend="native")
+    num = rb.indice_pair_num.clone()
+    num[0] = len(idx) + 1
+    with pytest.raises(ValueError, match="indice_pair_num"):
+        sparse_maxpool(x, rb.indice_pairs, num, len(idx), backend="native")

@@ -1,0 +1,358 @@
+"""The sparse ops' native entry points against the built library, without a GPU (the method of
+tests/ops/test_voxel_native_calls.py and scripts/native_messages.py): host arrays relabelled as
+cuda:0 DLPack tensors reach the library's argument checks, which stop at the first runtime call
+("get current device failed"). Checked here:
+- every stage of mu_space/ops/_sparse_native.py hands the library arguments it accepts (order,
+  dtypes, shapes, Shapes, workspace sizes): each call reaches the runtime;
+- every entry point's validation: for each tensor argument in turn another dtype, a cpu tensor,
+  another ndim / size, a non-contiguous view, None: a TypeError / ValueError that names the
+  argument, or the runtime (a variant that is still valid), never a crash;
+- scalar arguments out of range (mode, side, counts, batch_size, kernel volume) are ValueErrors.
+Skips without a library that has the sparse entry points, and wherever CUDA is visible.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mu_space.ops import _opdef, _sparse, _sparse_native
+from mu_space.runtime import native
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from native_messages import KDL_BFLOAT, _tensor, _variants  # noqa: E402
+
+ENTRY_POINTS = (
+    *_sparse_native.RULEBOOK_ENTRY_POINTS,
+    *_sparse_native.PAIR_ENTRY_POINTS,
+    "sparse_maxpool_forward",
+    "sparse_maxpool_backward",
+)
+REACHED = "get current device failed"
+# scalar / Shape arguments that messages may name (a size relation reported on them)
+DTYPE_OR_DEVICE = ("cpu", "float64", "float32", "float16", "bfloat16", "int32", "int64")
+SCALARS = ("shape", "spatial_shape", "out_shape", "counts", "K = ")
+
+
+class _ReachedRuntime(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def library():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: this check is for machines without a GPU")
+    path = native.library_path()
+    if not path.is_file():
+        pytest.skip(f"no native library at {path}")
+    try:
+        import tvm_ffi
+
+        lib = tvm_ffi.load_module(str(path))
+        for name in ENTRY_POINTS:
+            lib[name]
+    except Exception as exc:  # noqa: BLE001 - an old or unloadable library: nothing to check
+        pytest.skip(f"the library cannot be used for this check: {exc}")
+    return lib
+
+
+def _as_cuda(t):
+    if not isinstance(t, torch.Tensor):
+        return t
+    a = t.detach().contiguous()
+    if a.dtype == torch.bfloat16:
+        return _tensor(a.view(torch.int16).numpy().view(np.uint16), code=KDL_BFLOAT)
+    return _tensor(a.numpy())
+
+
+@pytest.fixture
+def calls(library, monkeypatch):
+    """native.function(name) -> the library's function on relabelled tensors; records the
+    entry points that reached the runtime."""
+    reached = []
+
+    def function(name):
+        fn = library[name]
+        if name.endswith("_workspace_ints"):
+            return fn
+
+        def call(*args):
+            try:
+                fn(*(_as_cuda(a) for a in args))
+            except RuntimeError as exc:
+                if REACHED in str(exc):
+                    reached.append(name)
+                    raise _ReachedRuntime(name) from None
+                raise
+            raise AssertionError(f"{name} ran without a GPU?")
+
+        return call
+
+    monkeypatch.setattr(native, "function", function)
+    monkeypatch.setattr(_sparse_native, "stream_handle", lambda t: 0)
+    monkeypatch.setattr(native, "limit", lambda key: 2**31 - 1)
+    return reached
+
+
+def _info(args):
+    from mu_space.ops.sparse_rulebook import _parse
+
+    return _parse(*args)
+
+
+RULEBOOK_CASES = {
+    "subm k3": (3, 1, 1, 1, 0, True, False),
+    "strided k3 s2": (3, 2, 1, 1, 0, False, False),
+    "transposed k2 s2": (2, 2, 0, 1, 0, False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(RULEBOOK_CASES))
+def test_rulebook_stages_pass_arguments_the_library_accepts(calls, library, case):
+    idx, shape = _sparse.tiny_indices("cpu")
+    ks, s, p, d, op, subm, transposed = RULEBOOK_CASES[case]
+    args = (idx, 2, shape, [ks] * 3, [s] * 3, [p] * 3, [d] * 3, [op] * 3, subm, transposed)
+    info = _info(args)
+    n, K = info["n"], info["K"]
+    ws = torch.zeros(int(library["sparse_rulebook_workspace_ints"](K, n)), dtype=torch.int32)
+    header = torch.zeros(4, dtype=torch.int32)
+    c = _opdef.Checked(idx.device, torch.int32, None, info, "indices")
+    with pytest.raises(_ReachedRuntime):  # the op's first launch: the input table
+        _sparse_native.rulebook_native(c, *args)
+    with pytest.raises(_ReachedRuntime):
+        _sparse_native.insert_table(idx, 2, shape, header, 0)
+    cap = _sparse_native.table_capacity(n)
+    table = (torch.zeros(cap, dtype=torch.int64), torch.zeros(cap, dtype=torch.int32))
+    mode = 0 if subm else 2 if transposed else 1
+    with pytest.raises(_ReachedRuntime):
+        _sparse_native.rulebook_pairs(idx, table, ws, info, mode, n, 0)
+    want = ["sparse_hash_insert"] * 2 + ["sparse_rulebook_forward"]
+    if not subm:
+        with pytest.raises(_ReachedRuntime):
+            _sparse_native.rulebook_candidates(idx, info, 0)
+        keys = torch.zeros(K * n, dtype=torch.int64)
+        with pytest.raises(_ReachedRuntime):
+            _sparse_native.rulebook_unique(keys, keys.clone(), ws, header, 0)
+        with pytest.raises(_ReachedRuntime):
+            _sparse_native.insert_table(keys[:100], 2, info["out_shape"], header, 0)
+        m_table = _sparse_native.table_capacity(100)
+        out_table = (
+            torch.zeros(m_table, dtype=torch.int64),
+            torch.zeros(m_table, dtype=torch.int32),
+        )
+        with pytest.raises(_ReachedRuntime):
+            _sparse_native.rulebook_pairs(idx, out_table, ws, info, mode, 100, 0)
+        with pytest.raises(_ReachedRuntime):
+            _sparse_native.rulebook_decode(keys[:100], info, 0)
+        want += [
+            "sparse_rulebook_candidates", "sparse_rulebook_unique", "sparse_hash_insert",
+            "sparse_rulebook_forward", "sparse_rulebook_decode",
+        ]  # fmt: skip
+    assert calls == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, inverse):
+    sparse_conv = importlib.import_module("mu_space.ops.sparse_conv")
+    sparse_maxpool = importlib.import_module("mu_space.ops.sparse_maxpool")
+    f, w, p, n, m, inv = sparse_conv.sample_case("cpu", subm=False, inverse=inverse)
+    f, w = f.to(dtype), w.to(dtype)
+    c = sparse_conv._check(f, w, p, n, m, inv)
+    with pytest.raises(_ReachedRuntime):  # the first launch: sparse_pairs_check
+        _sparse_native.conv_native(c, f, w, p, n, m, inv)
+    g = torch.zeros(m, w.shape[2], dtype=dtype)
+    with pytest.raises(_ReachedRuntime):
+        _sparse_native.conv_backward_native(
+            c, g, f, w, p, n, m, inv, needs=(True, True), deterministic=True
+        )
+    K, _, P = p.shape
+    counts = n.clamp(0, P).tolist()
+    total = sum(counts)
+    header = torch.zeros(2 * K + 3, dtype=torch.int32)
+    header[K : 2 * K + 1] = torch.tensor([0, *np.cumsum(counts)], dtype=torch.int32)
+    g_side, s_side = (1, 0) if inv else (0, 1)
+    with pytest.raises(_ReachedRuntime):
+        _sparse_native.gather(f, p, header, total, g_side, 0)
+    with pytest.raises(_ReachedRuntime):
+        _sparse_native.scatter(torch.zeros(total, w.shape[2]), p, counts,
+                               torch.zeros(m, w.shape[2]), s_side, 0)  # fmt: skip
+    assert calls == ["sparse_pairs_check"] * 2 + ["sparse_conv_gather", "sparse_conv_scatter"]
+    if inverse:
+        return
+    calls.clear()
+    c = sparse_maxpool._check(f, p, n, m)
+    with pytest.raises(_ReachedRuntime):
+        _sparse_native.maxpool_native(c, f, p, n, m)
+    with pytest.raises(_ReachedRuntime):
+        _sparse_native.maxpool_backward_native(
+            c, torch.zeros(m, f.shape[1], dtype=dtype), f, p, n, m, needs=(True,),
+            deterministic=False,
+        )  # fmt: skip
+    with pytest.raises(_ReachedRuntime):
+        _sparse_native.pool_forward(f, p, counts, m, 0)
+    out = torch.zeros(m, f.shape[1], dtype=dtype)
+    with pytest.raises(_ReachedRuntime):
+        _sparse_native.pool_backward(out, f, out, p, counts, 0)
+    assert calls == ["sparse_pairs_check"] * 2 + [
+        "sparse_maxpool_forward",
+        "sparse_maxpool_backward",
+    ]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _shape(*v):
+    return _sparse_native.native_shape(v)
+
+
+def _base_cases(lib):
+    """entry point -> (valid arguments with numpy arrays for tensors, their names)."""
+    i32, i64, f32 = np.int32, np.int64, np.float32
+    n, K, C, P, m = 6, 27, 8, 6, 5
+    idx = np.zeros((n, 4), i32)
+    ws = np.zeros(int(lib["sparse_rulebook_workspace_ints"](K, n)), i32)
+    cap = 16
+    tk, tv, header = np.zeros(cap, i64), np.zeros(cap, i32), np.zeros(4, i32)
+    geo = [_shape(9, 9, 9), _shape(5, 5, 5), _shape(3, 3, 3), _shape(2, 2, 2), _shape(1, 1, 1),
+           _shape(1, 1, 1)]  # fmt: skip
+    pairs, num = np.zeros((K, 2, P), i32), np.zeros(K, i32)
+    counts = _shape(*([0] * K))
+    feats = np.zeros((n, C), f32)
+    return {
+        "sparse_hash_insert": (
+            [idx, tk, tv, header, 2, _shape(9, 9, 9), 0],
+            ["source", "table_keys", "table_vals", "header"],
+        ),
+        "sparse_rulebook_candidates": (
+            [idx, np.zeros(K * n, i64), 2, *geo, False, 0],
+            ["indices", "cand"],
+        ),
+        "sparse_rulebook_unique": (
+            [np.zeros(K * n, i64), np.zeros(K * n, i64), ws, header, 0],
+            ["sorted_keys", "uniq", "workspace", "header"],
+        ),
+        "sparse_rulebook_forward": (
+            [idx, tk, tv, ws, np.zeros((K, 2, n), i32), num, 2, *geo, 1, 5, 0],
+            ["indices", "table_keys", "table_vals", "workspace", "pairs", "pair_num"],
+        ),
+        "sparse_rulebook_decode": (
+            [np.zeros(m, i64), np.zeros((m, 4), i32), 2, _shape(5, 5, 5), 0],
+            ["keys", "out_indices"],
+        ),
+        "sparse_pairs_check": (
+            [pairs, num, np.zeros(2 * K + 3, i32), n, m, False, 0],
+            ["indice_pairs", "indice_pair_num", "header"],
+        ),
+        "sparse_conv_gather": (
+            [feats, pairs, np.zeros(K + 1, i32), np.zeros((4, C), f32), 0, 0],
+            ["src", "indice_pairs", "pair_starts", "gathered"],
+        ),
+        "sparse_conv_scatter": (
+            [
+                np.zeros((3, C), f32),
+                pairs,
+                _shape(3, *([0] * (K - 1))),
+                np.zeros((m, C), f32),
+                1,
+                0,
+            ],
+            ["products", "indice_pairs", "acc"],
+        ),
+        "sparse_maxpool_forward": (
+            [feats, pairs, counts, np.zeros((m, C), f32), np.zeros(m, i32), 0],
+            ["features", "indice_pairs", "out", "hit"],
+        ),
+        "sparse_maxpool_backward": (
+            [np.zeros((m, C), f32), feats, np.zeros((m, C), f32), pairs, counts, feats.copy(), 0],
+            ["grad_out", "features", "out", "indice_pairs", "acc"],
+        ),
+    }
+
+
+def _outcome(fn, args):
+    try:
+        fn(*args)
+    except (TypeError, ValueError) as exc:
+        return type(exc).__name__, str(exc).split("\n")[0]
+    except RuntimeError as exc:
+        if REACHED in str(exc):
+            return "runtime", ""
+        return "RuntimeError", str(exc).split("\n")[0]
+    return "returned", ""
+
+
+def test_every_entry_point_checks_every_tensor_argument(library):
+    names_seen, wrong = set(), []
+    for name, (args, names) in _base_cases(library).items():
+        fn = library[name]
+        base = [_tensor(a) if isinstance(a, np.ndarray) else a for a in args]
+        assert _outcome(fn, base) == ("runtime", ""), f"{name}: valid arguments rejected"
+        tensor_pos = [i for i, a in enumerate(args) if isinstance(a, np.ndarray)]
+        assert len(tensor_pos) == len(names), name
+        for i, arg_name in zip(tensor_pos, names):
+            for label, t in _variants(args[i]):
+                kind, msg = _outcome(fn, base[:i] + [t] + base[i + 1 :])
+                where = f"{name} {arg_name} {label}"
+                if kind == "returned" and label == "empty":
+                    continue  # an empty tensor that is still consistent: nothing to launch
+                if kind not in ("TypeError", "ValueError", "runtime"):
+                    wrong.append(f"{where}: {kind} {msg}")
+                elif label in ("cpu", "float64", "None") and kind == "runtime":
+                    wrong.append(f"{where}: accepted")
+                elif kind == "runtime" or label == "None":  # None: TVM-FFI's type error
+                    pass
+                elif label in DTYPE_OR_DEVICE and arg_name not in msg:
+                    wrong.append(f"{where}: the message does not name {arg_name}: {msg!r}")
+                elif not any(a in msg for a in (*names, *SCALARS)):
+                    # a size relation is reported on the argument checked second
+                    wrong.append(f"{where}: the message names no argument: {msg!r}")
+                else:
+                    names_seen.add(name)
+    assert not wrong, "\n".join(wrong)
+    assert names_seen == set(_base_cases(library))
+
+
+def test_scalar_arguments_out_of_range_are_value_errors(library):
+    cases = _base_cases(library)
+
+    def with_arg(name, pos, value):
+        args = [_tensor(a) if isinstance(a, np.ndarray) else a for a in cases[name][0]]
+        args[pos] = value
+        return _outcome(library[name], args)
+
+    assert with_arg("sparse_rulebook_forward", 13, 3)[0] == "ValueError"  # mode
+    assert with_arg("sparse_rulebook_forward", 6, 0)[0] == "ValueError"  # batch_size
+    assert with_arg("sparse_rulebook_forward", 9, _shape(64, 64, 2))[0] == "ValueError"  # K > 4096
+    assert with_arg("sparse_rulebook_forward", 9, _shape(3, 3))[0] == "ValueError"  # ndim
+    assert with_arg("sparse_rulebook_forward", 14, 9)[0] == "ValueError"  # table < 2 * n_rows
+    big = _shape(2**31 - 1, 2**31 - 1, 2**31 - 1)
+    assert "key range" in with_arg("sparse_rulebook_candidates", 3, big)[1]
+    assert with_arg("sparse_hash_insert", 1, _tensor(np.zeros(12, np.int64)))[0] == "ValueError"
+    assert with_arg("sparse_conv_gather", 4, 2)[0] == "ValueError"  # side
+    assert with_arg("sparse_conv_scatter", 2, _shape(*([1] * 27)))[0] == "ValueError"  # rows
+    assert with_arg("sparse_conv_scatter", 2, _shape(*([0] * 26 + [7])))[0] == "ValueError"
+    assert with_arg("sparse_maxpool_forward", 2, _shape(1))[0] == "ValueError"  # K counts
+    assert with_arg("sparse_pairs_check", 3, -1)[0] == "ValueError"
+    with pytest.raises(ValueError):
+        library["sparse_rulebook_workspace_ints"](4097, 10)
+    with pytest.raises(ValueError):
+        library["sparse_rulebook_workspace_ints"](27, 2**31 // 27 + 1)
+    assert int(library["sparse_rulebook_workspace_ints"](27, 0)) >= 4
+
+
+def test_limits_are_build_facts(library):
+    facts = native.build_facts() if native.status().loaded else None
+    if facts is None:
+        pytest.skip("the library does not load as mu_space's native library here")
+    limits = facts["limits"]
+    assert limits["sparse_rulebook.max_candidates"] == 2**31 - 2
+    assert limits["sparse_conv.max_pairs"] == limits["sparse_maxpool.max_pairs"] == 2**31 - 1
+    assert math.prod([27, 2**31 // 27]) <= limits["sparse_conv.max_pairs"]
