@@ -188,7 +188,7 @@ def test_empty_inputs():
     pooled = sparse_maxpool(x, pairs, num, 2, backend="native")
     assert torch.equal(pooled, torch.zeros(2, 4, device=device))
     # sites that reach no output (a strided layer whose window misses every site)
-    one = torch.tensor([[0, 0, 0, 1]], dtype=torch.int32, device=device)
+    one = torch.tensor([[0, 0, 0, 2]], dtype=torch.int32, device=device)
     for backend in ("reference", "native"):
         rb = sparse_rulebook(one, 1, [1, 1, 3], [1, 1, 2], [1, 1, 2], 0, 1, 0, False, False,
                              backend=backend)  # fmt: skip
