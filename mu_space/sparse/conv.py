@@ -41,18 +41,25 @@ class SparseConvolution(SparseModule):
     padding=0, dilation=1, groups=1, bias=True, subm=False, output_padding=0,
     transposed=False, inverse=False, indice_key=None, algo=None, fp32_accum=None,
     record_voxel_count=False, act_type=None, act_alpha=0, act_beta=0, name=None,
-    device=None, dtype=None)`.
+    device=None, dtype=None, large_kernel_fast_algo=False)`.
 
     weight: Parameter[C_out, *kernel_size, C_in] (spconv >= 2.2 KRSC; spconv 2.x state_dicts
     load unchanged, older layouts through mu_space.sparse.weights); bias: [C_out] or None.
     `algo` and `fp32_accum` are accepted and recorded: every layer runs the rule-book path with
-    float32 accumulation. Fused activations (`act_type`) are not supported."""
+    float32 accumulation; so is `large_kernel_fast_algo` (spconv 2.3). Fused activations
+    (`act_type`) are not supported.
+
+    `backend` (class attribute, "auto"): the backend the layer passes to sparse_rulebook /
+    sparse_conv (mu_space.runtime.kernel_dispatch.BACKENDS); set it on an instance or a
+    subclass (the patcher's spconv classes do)."""
+
+    backend = "auto"
 
     def __init__(
         self, ndim, in_channels, out_channels, kernel_size=3, stride=1, padding=0, dilation=1,
         groups=1, bias=True, subm=False, output_padding=0, transposed=False, inverse=False,
         indice_key=None, algo=None, fp32_accum=None, record_voxel_count=False, act_type=None,
-        act_alpha=0, act_beta=0, name=None, device=None, dtype=None,
+        act_alpha=0, act_beta=0, name=None, device=None, dtype=None, large_kernel_fast_algo=False,
     ):  # fmt: skip
         super().__init__(name=name)
         if groups != 1:
@@ -83,6 +90,7 @@ class SparseConvolution(SparseModule):
         self.algo = ConvAlgo.Native if algo is None else algo
         self.fp32_accum = fp32_accum
         self.record_voxel_count = record_voxel_count
+        self.large_kernel_fast_algo = large_kernel_fast_algo
         self.act_type, self.act_alpha, self.act_beta = act_type, act_alpha, act_beta
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(
@@ -209,7 +217,7 @@ class SparseConvolution(SparseModule):
         padding = subm_padding(self.kernel_size, self.dilation) if self.subm else self.padding
         rb = sparse_rulebook(
             x.indices, x.batch_size, x.spatial_shape, self.kernel_size, self.stride, padding,
-            self.dilation, self.output_padding, self.subm, self.transposed,
+            self.dilation, self.output_padding, self.subm, self.transposed, backend=self.backend,
         )  # fmt: skip
         out_indices = x.indices if self.subm else rb.out_indices
         datas = IndiceData(
@@ -248,6 +256,7 @@ class SparseConvolution(SparseModule):
             datas.indice_pair_num,
             out_indices.shape[0],
             self.inverse,
+            backend=self.backend,
         )
         if bias is not None:
             out = out + bias
@@ -270,11 +279,25 @@ def _make(kind: str, ndim: int):
 
         def __init__(
             self, in_channels, out_channels, kernel_size, indice_key=None, bias=True,
-            algo=None, fp32_accum=None, name=None,
+            algo=None, fp32_accum=None, large_kernel_fast_algo=False, name=None,
         ):  # fmt: skip
             SparseConvolution.__init__(
                 self, ndim, in_channels, out_channels, kernel_size, bias=bias, inverse=True,
                 indice_key=indice_key, algo=algo, fp32_accum=fp32_accum, name=name,
+                large_kernel_fast_algo=large_kernel_fast_algo,
+            )  # fmt: skip
+
+    elif kind == "subm":  # spconv 2.3: no record_voxel_count
+
+        def __init__(
+            self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+            groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
+            large_kernel_fast_algo=False, name=None,
+        ):  # fmt: skip
+            SparseConvolution.__init__(
+                self, ndim, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                groups, bias, subm=True, indice_key=indice_key, algo=algo,
+                fp32_accum=fp32_accum, name=name, large_kernel_fast_algo=large_kernel_fast_algo,
             )  # fmt: skip
 
     else:
@@ -282,13 +305,13 @@ def _make(kind: str, ndim: int):
         def __init__(
             self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
             groups=1, bias=True, indice_key=None, algo=None, fp32_accum=None,
-            record_voxel_count=False, name=None,
+            record_voxel_count=False, large_kernel_fast_algo=False, name=None,
         ):  # fmt: skip
             SparseConvolution.__init__(
                 self, ndim, in_channels, out_channels, kernel_size, stride, padding, dilation,
-                groups, bias, subm=kind == "subm", transposed=kind == "transpose",
-                indice_key=indice_key, algo=algo, fp32_accum=fp32_accum,
-                record_voxel_count=record_voxel_count and kind != "subm", name=name,
+                groups, bias, transposed=kind == "transpose", indice_key=indice_key, algo=algo,
+                fp32_accum=fp32_accum, record_voxel_count=record_voxel_count, name=name,
+                large_kernel_fast_algo=large_kernel_fast_algo,
             )  # fmt: skip
 
     names = {
