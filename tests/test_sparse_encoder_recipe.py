@@ -1,0 +1,103 @@
+"""model_examples/CenterPoint/scripts/centerpoint_sparse_encoder.py: mmdet3d's SparseEncoder over
+mu_space.sparse. Its main() runs in-process at --small on the CPU for both configs (reference vs
+reference), a deliberately wrong backend A is caught, and the layer lists are mmdet3d's
+(CenterPoint 0.075 basicblock, SECOND conv_module) with the upstream output shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mu_space.sparse as spconv
+from mu_space.sparse import conv as sparse_conv_module
+
+SCRIPT = (
+    Path(__file__).resolve().parents[1]
+    / "model_examples"
+    / "CenterPoint"
+    / "scripts"
+    / "centerpoint_sparse_encoder.py"
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """One intra-op thread: the reference path's per-offset index_add_ runs in ~2 s at --small
+    with one thread, but with torch's OpenMP threads competing for the cores with other
+    processes (pytest -n, CI neighbours) the same run took 80 s here."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("model_example_sparse_encoder", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("config", ["centerpoint-0075-nus", "second-kitti"])
+def test_small_cpu_passes(config, capsys):
+    argv = ["--device", "cpu", "--small", "--config", config, "--warmup", "0", "--reps", "1"]
+    assert _load().main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "speedup A over B" in out and "MISMATCH" not in out
+    assert "output spatial_features: (1, 256, 8, 8)" in out  # 128 channels x 2 z, 64 / 8
+
+
+def test_wrong_backend_is_caught(monkeypatch, capsys):
+    """Backend A ('auto', the reference on the CPU) gets a sparse conv that is off by 1e-3."""
+    original = sparse_conv_module.sparse_conv
+
+    def off_by_a_little(*args, backend="auto", **kwargs):
+        out = original(*args, backend="reference", **kwargs)
+        return out * (1.0 + 1e-3) if backend == "auto" else out
+
+    monkeypatch.setattr(sparse_conv_module, "sparse_conv", off_by_a_little)
+    argv = ["--device", "cpu", "--small", "--backend-a", "auto", "--warmup", "0", "--reps", "1"]
+    assert _load().main(argv) == 1
+    out = capsys.readouterr().out
+    assert "MISMATCH" in out and "FAIL" in out
+
+
+def _count(module, cls):
+    return sum(type(m) is cls for m in module.modules())
+
+
+@pytest.mark.parametrize(
+    "config, subm, strided, out_shape",
+    [
+        # conv_input + 4 stages x 2 SparseBasicBlocks x 2; 3 stage convs + conv_out
+        ("centerpoint-0075-nus", 17, 4, (41, 1440, 1440)),
+        # conv_input + 1 + 3 x 2; 3 stage convs + conv_out
+        ("second-kitti", 8, 4, (41, 1600, 1408)),
+    ],
+)  # fmt: skip
+def test_layer_list_is_mmdet3d(config, subm, strided, out_shape):
+    m = _load()
+    enc = m.SparseEncoder(m.ENCODERS[config], 1, backend="reference")
+    assert _count(enc, spconv.SubMConv3d) == subm
+    assert _count(enc, spconv.SparseConv3d) == strided
+    assert enc.sparse_shape == list(out_shape)
+    convs = [x for x in enc.modules() if isinstance(x, spconv.SparseConvolution)]
+    assert all(c.bias is None and c.backend == "reference" for c in convs)
+    assert convs[-1].kernel_size == [3, 1, 1] and convs[-1].stride == [2, 1, 1]
+    assert convs[-1].indice_key == "spconv_down2"
+    bns = [x for x in enc.modules() if isinstance(x, torch.nn.BatchNorm1d)]
+    assert bns and all(b.eps == 1e-3 and b.momentum == 0.01 for b in bns)
+    # the output grid: z 41 -> 21 -> 11 -> 5 -> 2, x / y / 8
+    shape = list(out_shape)
+    for c in convs:
+        if not c.subm:
+            shape = [
+                (s + 2 * p - k) // st + 1
+                for s, p, k, st in zip(shape, c.padding, c.kernel_size, c.stride)
+            ]
+    assert shape == [2, out_shape[1] // 8, out_shape[2] // 8]
