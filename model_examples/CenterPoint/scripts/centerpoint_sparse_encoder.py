@@ -102,77 +102,98 @@ def _bn(c):
     return nn.BatchNorm1d(c, eps=1e-3, momentum=0.01)
 
 
-def conv_module(cin, cout, k, conv_type, indice_key, stride=1, padding=0):
+def conv_module(cin, cout, k, conv_type, indice_key, stride=1, padding=0, lib=spconv):
     """mmdet3d make_sparse_convmodule (order conv, norm, act): conv without bias, BN1d, ReLU."""
-    conv = getattr(spconv, conv_type)(
+    conv = getattr(lib, conv_type)(
         cin, cout, k, stride=stride, padding=padding, bias=False, indice_key=indice_key
     )
-    return spconv.SparseSequential(conv, _bn(cout), nn.ReLU(inplace=True))
+    return lib.SparseSequential(conv, _bn(cout), nn.ReLU(inplace=True))
 
 
-class SparseBasicBlock(spconv.SparseModule):
+_BLOCKS: dict = {}
+
+
+def basic_block(planes, lib=spconv):
     """mmdet3d SparseBasicBlock: SubM conv1 + BN + ReLU, SubM conv2 + BN, + identity, ReLU
-    (conv_cfg SubMConv3d without an indice_key: each conv builds its own rule book)."""
+    (conv_cfg SubMConv3d without an indice_key: each conv builds its own rule book). One class
+    per library (`lib`: mu_space.sparse, or spconv.pytorch for the benchmark's peer), a
+    subclass of that library's SparseModule so its SparseSequential passes it the tensor."""
+    if lib not in _BLOCKS:
 
-    def __init__(self, planes):
-        super().__init__()
-        self.conv1 = spconv.SubMConv3d(planes, planes, 3, padding=1, bias=False)
-        self.norm1 = _bn(planes)
-        self.conv2 = spconv.SubMConv3d(planes, planes, 3, padding=1, bias=False)
-        self.norm2 = _bn(planes)
-        self.relu = nn.ReLU(inplace=True)
+        class SparseBasicBlock(lib.SparseModule):
+            def __init__(self, planes):
+                super().__init__()
+                self.conv1 = lib.SubMConv3d(planes, planes, 3, padding=1, bias=False)
+                self.norm1 = _bn(planes)
+                self.conv2 = lib.SubMConv3d(planes, planes, 3, padding=1, bias=False)
+                self.norm2 = _bn(planes)
+                self.relu = nn.ReLU(inplace=True)
 
-    def forward(self, x):
-        identity = x.features
-        out = self.conv1(x)
-        out = out.replace_feature(self.relu(self.norm1(out.features)))
-        out = self.conv2(out)
-        out = out.replace_feature(self.norm2(out.features) + identity)
-        return out.replace_feature(self.relu(out.features))
+            def forward(self, x):
+                identity = x.features
+                out = self.conv1(x)
+                out = out.replace_feature(self.relu(self.norm1(out.features)))
+                out = self.conv2(out)
+                out = out.replace_feature(self.norm2(out.features) + identity)
+                return out.replace_feature(self.relu(out.features))
+
+        _BLOCKS[lib] = SparseBasicBlock
+    return _BLOCKS[lib](planes)
 
 
 class SparseEncoder(nn.Module):
-    """mmdet3d's SparseEncoder (post-activation order) over mu_space.sparse; forward(
-    voxel_features [N, C], coors [N, 4] int32 (b, z, y, x)) -> {'spatial_features':
-    [B, C * D, H, W]}. `backend` goes to every sparse layer."""
+    """mmdet3d's SparseEncoder (post-activation order) over mu_space.sparse (or `lib`, a module
+    with spconv 2.x's API); forward(voxel_features [N, C], coors [N, 4] int32 (b, z, y, x)) ->
+    {'spatial_features': [B, C * D, H, W]}. `backend` goes to every muSPACE sparse layer."""
 
-    def __init__(self, cfg: dict, batch_size: int, backend: str = "auto"):
+    def __init__(self, cfg: dict, batch_size: int, backend: str = "auto", lib=spconv):
         super().__init__()
+        self.lib = lib
         self.sparse_shape = list(cfg["sparse_shape"])
         self.batch_size = batch_size
         base = cfg["base_channels"]
-        self.conv_input = conv_module(cfg["in_channels"], base, 3, "SubMConv3d", "subm1", padding=1)
-        self.encoder_layers = spconv.SparseSequential()
+        self.conv_input = conv_module(
+            cfg["in_channels"], base, 3, "SubMConv3d", "subm1", padding=1, lib=lib
+        )
+        self.encoder_layers = lib.SparseSequential()
         cin, stages = base, cfg["encoder_channels"]
         for i, blocks in enumerate(stages):
             layers = []
             for j, cout in enumerate(blocks):
                 padding = cfg["encoder_paddings"][i][j]
-                strided = dict(stride=2, padding=padding, indice_key=f"spconv{i + 1}")
+                strided = dict(stride=2, padding=padding, indice_key=f"spconv{i + 1}", lib=lib)
                 if cfg["block_type"] == "conv_module":
                     if i != 0 and j == 0:
                         layers.append(conv_module(cin, cout, 3, "SparseConv3d", **strided))
                     else:
                         layers.append(
-                            conv_module(cin, cout, 3, "SubMConv3d", f"subm{i + 1}", padding=padding)
+                            conv_module(
+                                cin, cout, 3, "SubMConv3d", f"subm{i + 1}", padding=padding, lib=lib
+                            )
                         )
                 elif j == len(blocks) - 1 and i != len(stages) - 1:
                     layers.append(conv_module(cin, cout, 3, "SparseConv3d", **strided))
                 else:
-                    layers.append(SparseBasicBlock(cout))
+                    layers.append(basic_block(cout, lib))
                 cin = cout
-            self.encoder_layers.add_module(
-                f"encoder_layer{i + 1}", spconv.SparseSequential(*layers)
-            )
+            self.encoder_layers.add_module(f"encoder_layer{i + 1}", lib.SparseSequential(*layers))
         self.conv_out = conv_module(
-            cin, cfg["output_channels"], (3, 1, 1), "SparseConv3d", "spconv_down2", stride=(2, 1, 1)
+            cin,
+            cfg["output_channels"],
+            (3, 1, 1),
+            "SparseConv3d",
+            "spconv_down2",
+            stride=(2, 1, 1),
+            lib=lib,
         )
         for m in self.modules():
             if isinstance(m, (spconv.SparseConvolution, spconv.SparseMaxPool)):
                 m.backend = backend
 
     def forward(self, voxel_features, coors):
-        x = spconv.SparseConvTensor(voxel_features, coors.int(), self.sparse_shape, self.batch_size)
+        x = self.lib.SparseConvTensor(
+            voxel_features, coors.int(), self.sparse_shape, self.batch_size
+        )
         x = self.conv_input(x)
         for stage in self.encoder_layers:
             x = stage(x)
