@@ -28,11 +28,11 @@
 #include <climits>
 #include <cstdint>
 
-#include "../voxel/voxel_sort.muh"  // the exclusive scan of int32 arrays (shared with voxel ops)
 #include "build_facts.muh"
 #include "checks.muh"
 #include "gpu_compat.muh"
 #include "launch.muh"
+#include "scan.muh"
 #include "sparse_common.muh"
 
 namespace muspace {
@@ -41,7 +41,7 @@ namespace {
 
 using tvm::ffi::Shape;
 
-static_assert(kBlock == voxel::kBlock, "one block size for the scan and the rule-book kernels");
+static_assert(kBlock == scan::kBlock, "one block size for the scan and the rule-book kernels");
 
 // candidates K * N (and the scan's K * N + 1 entries) are int32-indexed
 constexpr int64_t kMaxCandidates = INT_MAX - 1;
@@ -190,7 +190,7 @@ Layout layout(int64_t total) {
   l.out_row = 0;
   l.scan = round4(total);
   l.sums = l.scan + round4(total + 1);
-  l.ints = l.sums + round4(std::max<int64_t>(voxel::scan_tiles(total + 1), 1));
+  l.ints = l.sums + round4(std::max<int64_t>(scan::scan_tiles(total + 1), 1));
   return l;
 }
 
@@ -414,8 +414,8 @@ void unique_entry(TensorView sorted_keys, TensorView uniq, TensorView workspace,
   run_flags_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
       data_of<const int64_t>(sorted_keys), total, flags);
   check_launch("sparse_rulebook_unique run_flags_kernel");
-  voxel::exclusive_scan(flags, flags, total, ws + l.sums, head + kCount, st,
-                        "sparse_rulebook_unique scan");
+  scan::exclusive_scan(flags, flags, total, ws + l.sums, head + kCount, st,
+                       "sparse_rulebook_unique scan");
   run_emit_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
       data_of<const int64_t>(sorted_keys), total, flags, data_of<int64_t>(uniq));
   check_launch("sparse_rulebook_unique run_emit_kernel");
@@ -465,8 +465,8 @@ void forward_entry(TensorView indices, TensorView table_keys, TensorView table_v
       data_of<const int64_t>(table_keys), data_of<const int>(table_vals), mask,
       static_cast<int>(n_rows), out_row, scan);
   check_launch("sparse_rulebook_forward pair_lookup_kernel");
-  voxel::exclusive_scan(scan, scan, total + 1, ws + l.sums, nullptr, st,
-                        "sparse_rulebook_forward scan");
+  scan::exclusive_scan(scan, scan, total + 1, ws + l.sums, nullptr, st,
+                       "sparse_rulebook_forward scan");
   launch_fill(data_of(pairs), 2 * total * 4, fill_word(-1), device_id, st,
               "sparse_rulebook_forward (pairs fill)");
   pair_emit_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(

@@ -19,13 +19,14 @@
 #include "dispatch.muh"
 #include "gpu_compat.muh"
 #include "launch.muh"
+#include "scan.muh"
 #include "voxel_grid.muh"
-#include "voxel_sort.muh"
 
 namespace muspace {
 namespace voxel {
 namespace {
 
+using scan::kBlock;  // 256 threads, the voxel family's block
 constexpr int kBlocksPerSm = 8;
 constexpr int64_t kMaxPillars = INT_MAX;
 MUSPACE_LIMIT(pillar_scatter, max_pillars, kMaxPillars);
