@@ -30,6 +30,7 @@ outputs in ascending (b, z, y, x), which is the order mmcv's `unique` step produ
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -49,6 +50,8 @@ def _get_indice_pairs(
             f"indices must be [N, {ndim + 1}] for get_indice_pairs_{ndim}d, got shape "
             f"{tuple(indices.shape)}"
         )
+    if isinstance(batchSize, torch.Tensor):  # pybind11 takes any __index__ integer: mmdet3d's
+        batchSize = operator.index(batchSize)  # SparseEncoder passes coors[-1, 0] + 1 (0-d)
     subm = _sparse.as_bool(_subM, "_subM")
     transpose = _sparse.as_bool(_transpose, "_transpose")
     ksize = _sparse.int_list(kernelSize, "kernelSize", ndim, 1)

@@ -31,6 +31,15 @@ def test_subm_pairs_and_conv_match_the_module():
         idx, 2, shape, shape, [3, 3, 3], [1, 1, 1], [0, 0, 0], [1, 1, 1], [0, 0, 0], 1, 0
     )
     assert out_inds is idx  # mmcv returns the input indices for SubM
+    # mmdet3d passes batchSize as a 0-d tensor (coors[-1, 0] + 1); pybind11 takes it
+    again = mmcv_ext.get_indice_pairs_3d_forward(
+        idx, idx[-1, 0] + 1, shape, shape, [3] * 3, [1] * 3, [0] * 3, [1] * 3, [0] * 3, 1, 0
+    )
+    assert int(idx[-1, 0]) + 1 == 2 and torch.equal(again[1], pairs)
+    with pytest.raises(TypeError):  # a float tensor is no integer (pybind11 refuses it too)
+        mmcv_ext.get_indice_pairs_3d_forward(
+            idx, torch.tensor(2.0), shape, shape, [3] * 3, [1] * 3, [0] * 3, [1] * 3, [0] * 3, 1, 0
+        )
     assert pairs.shape == (27, 2, idx.shape[0]) and num.dtype == torch.int32
     filters = weights.from_krsc(layer.weight.detach(), "RSCK")  # mmcv's [*k, C_in, C_out]
     got = mmcv_ext.indice_conv_forward(feats, filters, pairs, num, idx.shape[0], 0, 1)
