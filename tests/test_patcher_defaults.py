@@ -56,6 +56,7 @@ ALL = (
         "bevdet.bev_pool_v2",
         "bevdet.voxel_pooling_prepare_v2",
         "bevfusion.bev_pool",
+        "bevfusion.bev_pool.projects",
     }
     | FACTORED_LSS_PATCHES
     | VOXEL_PATCHES
@@ -261,6 +262,33 @@ def _install_bevfusion(monkeypatch):
         package=mods["mmdet3d.ops.bev_pool"],
         ops=mods["mmdet3d.ops"],
         base=mods["mmdet3d.models.vtransforms.base"],
+    )
+
+
+def _install_bevfusion_projects(monkeypatch):
+    """mmdet3d 1.x's projects/BEVFusion layout: ops/bev_pool/bev_pool.py, re-exported by
+    ops/bev_pool/__init__.py and ops/__init__.py; depth_lss.py does `from .ops import bev_pool`."""
+    root = "projects.BEVFusion.bevfusion"
+    mods = _modules(monkeypatch, f"{root}.ops.bev_pool.bev_pool", f"{root}.depth_lss")
+
+    def bev_pool(feats, coords, B, D, H, W):
+        """_install_bevfusion's stand-in body (another function object, as upstream's two
+        layouts are two functions)."""
+        B, D, H, W = (int(v) for v in (B, D, H, W))
+        c = coords.long()
+        cell = ((c[:, 3] * D + c[:, 2]) * H + c[:, 0]) * W + c[:, 1]
+        out = torch.zeros(B * D * H * W, feats.shape[1], dtype=feats.dtype)
+        out = out.index_add(0, cell, feats)
+        return out.view(B, D, H, W, -1).permute(0, 4, 1, 2, 3).contiguous()
+
+    for name in ("ops.bev_pool.bev_pool", "ops.bev_pool", "ops", "depth_lss"):
+        mods[f"{root}.{name}"].bev_pool = bev_pool
+    return types.SimpleNamespace(
+        bev_pool=bev_pool,
+        module=mods[f"{root}.ops.bev_pool.bev_pool"],
+        package=mods[f"{root}.ops.bev_pool"],
+        ops=mods[f"{root}.ops"],
+        depth_lss=mods[f"{root}.depth_lss"],
     )
 
 
@@ -489,6 +517,7 @@ def upstream(monkeypatch):
         mmcv=_install_mmcv(monkeypatch),
         bevdet=_install_bevdet(monkeypatch),
         bevfusion=_install_bevfusion(monkeypatch),
+        bevfusion_projects=_install_bevfusion_projects(monkeypatch),
         voxel=_install_mmcv_voxel(monkeypatch),
         pillars=_install_mmdet3d_pillars(monkeypatch),
         box3d=install_box3d_upstream(monkeypatch),  # tests/test_patcher_box3d.py
@@ -499,9 +528,9 @@ def upstream(monkeypatch):
 def absent(monkeypatch):
     """No mmcv / mmdet3d / OpenPCDet importable, even if they are installed here."""
     for name in list(sys.modules):
-        if name.split(".")[0] in ("mmcv", "mmdet3d", "pcdet"):
+        if name.split(".")[0] in ("mmcv", "mmdet3d", "pcdet", "projects"):
             monkeypatch.delitem(sys.modules, name)
-    for top in ("mmcv", "mmdet3d", "pcdet"):
+    for top in ("mmcv", "mmdet3d", "pcdet", "projects"):
         monkeypatch.setitem(sys.modules, top, None)
 
 

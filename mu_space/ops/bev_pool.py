@@ -103,7 +103,7 @@ OP = _opdef.define(
         samples=_samples,
         upstream="BEVFusion bev_pool",
         models="BEVFusion (camera branch), DepthLSS-style transforms",
-        patches=("bevfusion.bev_pool",),
+        patches=("bevfusion.bev_pool", "bevfusion.bev_pool.projects"),
         recipes=("model_examples/BEVFusion",),
         doc="docs/operators/bev_pool.md",
     )

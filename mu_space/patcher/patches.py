@@ -16,6 +16,8 @@ Patch names (for `Patcher.disable` / `enable`):
     bevdet.bev_pool_v2                        on   mmdet3d.ops.bev_pool_v2.bev_pool
     bevdet.voxel_pooling_prepare_v2           on   mmdet3d.models.necks.view_transformer
     bevfusion.bev_pool                        on   mmdet3d.ops.bev_pool.bev_pool (+ mmdet3d.ops)
+    bevfusion.bev_pool.projects               on   projects.BEVFusion.bevfusion.ops.bev_pool.bev_pool
+                                                   (mmdet3d 1.x projects/BEVFusion; + its re-exports)
     bevfusion.factored_lss.*                  OFF  BEVFusion LSS / DepthLSS vtransforms: pool depth
                                                    and context without their product (6 patches:
                                                    mmdet3d 1.x projects/BEVFusion, MIT BEVFusion)
@@ -60,6 +62,7 @@ MSDA_MODULE = "mmcv.ops.multi_scale_deform_attn"
 BEV_POOL_V2_MODULE = "mmdet3d.ops.bev_pool_v2.bev_pool"
 VIEW_TRANSFORMER = "mmdet3d.models.necks.view_transformer.LSSViewTransformer"
 BEV_POOL_MODULE = "mmdet3d.ops.bev_pool.bev_pool"
+BEV_POOL_PROJECTS_MODULE = "projects.BEVFusion.bevfusion.ops.bev_pool.bev_pool"  # mmdet3d 1.x
 
 # Upstream parameter names each replacement was written against (checked by the prechecks).
 MSDA_FUNCTION_PARAMS = (
@@ -475,7 +478,7 @@ def _dim(value: Any) -> Any:
     return value
 
 
-def _bev_pool(backend: str) -> Callable[[Any], Any]:
+def _bev_pool(backend: str, name: str = "bevfusion.bev_pool") -> Callable[[Any], Any]:
     def make(original: Any) -> Any:
         def bev_pool(feats, coords, B, D, H, W):
             """muSPACE replacement of BEVFusion's `bev_pool`: Tensor[B, C, D, H, W] in feats'
@@ -484,7 +487,7 @@ def _bev_pool(backend: str) -> Callable[[Any], Any]:
                 feats, coords, _dim(B), _dim(D), _dim(H), _dim(W), backend=backend
             )
 
-        return _mark(bev_pool, "bevfusion.bev_pool", original)
+        return _mark(bev_pool, name, original)
 
     return make
 
@@ -1234,6 +1237,17 @@ def default_patches(*, backend: str = "auto") -> list[Patch]:
             aliases=("mmdet3d.ops.bev_pool.bev_pool", "mmdet3d.ops.bev_pool"),
             precheck=_signature_check(BEV_POOL_PARAMS),
             description="BEVFusion bev_pool -> mu_space.bev_pool",
+        ),
+        Patch(
+            "bevfusion.bev_pool.projects",
+            f"{BEV_POOL_PROJECTS_MODULE}.bev_pool",
+            _bev_pool(backend, "bevfusion.bev_pool.projects"),
+            aliases=(
+                "projects.BEVFusion.bevfusion.ops.bev_pool.bev_pool",
+                "projects.BEVFusion.bevfusion.ops.bev_pool",
+            ),
+            precheck=_signature_check(BEV_POOL_PARAMS),
+            description="mmdet3d 1.x projects/BEVFusion bev_pool -> mu_space.bev_pool",
         ),
         *_lss_patches(backend),
         Patch(
