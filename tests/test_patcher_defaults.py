@@ -31,6 +31,7 @@ from mu_space.testing import bev_geometry, bev_pool_inputs, lidar, msda_inputs
 from tests.helpers import assert_close, native_gpu_device
 from tests.ops import _voxel_oracle as oracle
 from tests.test_patcher_box3d import BOX3D_PATCHES, install_box3d_upstream
+from tests.test_patcher_sparse import install_spconv_upstream
 
 VOXEL_PATCHES = {
     "mmcv.voxelization",
@@ -49,6 +50,17 @@ FACTORED_LSS_PATCHES = {
     for layout in ("", ".mit")
     for name in ("bev_pool", "LSSTransform", "DepthLSSTransform")
 }
+SPCONV_PATCHES = {
+    "spconv.SubMConv3d",
+    "spconv.SparseConv3d",
+    "spconv.SparseInverseConv3d",
+    "spconv.SubMConv2d",
+    "spconv.SparseConv2d",
+    "spconv.SparseMaxPool3d",
+    "spconv.SparseSequential",
+    "spconv.SparseConvTensor",
+    "spconv.ToDense",
+}
 ALL = (
     {
         "mmcv.MultiScaleDeformableAttnFunction",
@@ -61,6 +73,7 @@ ALL = (
     | FACTORED_LSS_PATCHES
     | VOXEL_PATCHES
     | BOX3D_PATCHES
+    | SPCONV_PATCHES
 )
 ON_BY_DEFAULT = ALL - {"mmcv.multi_scale_deformable_attn_pytorch"} - FACTORED_LSS_PATCHES
 
@@ -521,16 +534,17 @@ def upstream(monkeypatch):
         voxel=_install_mmcv_voxel(monkeypatch),
         pillars=_install_mmdet3d_pillars(monkeypatch),
         box3d=install_box3d_upstream(monkeypatch),  # tests/test_patcher_box3d.py
+        spconv=install_spconv_upstream(monkeypatch),  # tests/test_patcher_sparse.py
     )
 
 
 @pytest.fixture
 def absent(monkeypatch):
-    """No mmcv / mmdet3d / OpenPCDet importable, even if they are installed here."""
+    """No mmcv / mmdet3d / OpenPCDet / spconv importable, even if they are installed here."""
     for name in list(sys.modules):
-        if name.split(".")[0] in ("mmcv", "mmdet3d", "pcdet", "projects"):
+        if name.split(".")[0] in ("mmcv", "mmdet3d", "pcdet", "projects", "spconv"):
             monkeypatch.delitem(sys.modules, name)
-    for top in ("mmcv", "mmdet3d", "pcdet", "projects"):
+    for top in ("mmcv", "mmdet3d", "pcdet", "projects", "spconv"):
         monkeypatch.setitem(sys.modules, top, None)
 
 

@@ -157,6 +157,14 @@ OP = _opdef.define(
         upstream="spconv 2.x `SubMConv3d` / `SparseConv3d` / `SparseInverseConv3d` "
         "(`mu_space.sparse`), mmcv `_ext.indice_conv_forward` / `indice_conv_backward`",
         models="SECOND, CenterPoint, PV-RCNN, Part-A2 (SparseEncoder), BEVFusion LiDAR branch",
+        patches=(
+            "spconv.SubMConv3d",
+            "spconv.SparseConv3d",
+            "spconv.SparseInverseConv3d",
+            "spconv.SubMConv2d",
+            "spconv.SparseConv2d",
+        ),
+        recipes=("model_examples/CenterPoint",),
         doc="docs/operators/sparse_conv.md",
     )
 )

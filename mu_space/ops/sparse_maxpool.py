@@ -138,6 +138,7 @@ OP = _opdef.define(
         upstream="spconv 2.x `SparseMaxPool3d` (`mu_space.sparse`), mmcv "
         "`_ext.indice_maxpool_forward` / `indice_maxpool_backward`",
         models="sparse voxel backbones with max pooling (SparseMaxPool3d)",
+        patches=("spconv.SparseMaxPool3d",),
         doc="docs/operators/sparse_conv.md",
     )
 )

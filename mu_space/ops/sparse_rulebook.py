@@ -194,6 +194,8 @@ OP = _opdef.define(
         "(`_ext.get_indice_pairs_{2,3,4}d_forward`)",
         models="SECOND, PointPillars-free voxel backbones: CenterPoint, PV-RCNN, Part-A2 "
         "(SparseEncoder), BEVFusion LiDAR branch",
+        # the containers / tensor the swapped layers build their rule books from
+        patches=("spconv.SparseConvTensor", "spconv.SparseSequential", "spconv.ToDense"),
         doc="docs/operators/sparse_conv.md",
     )
 )

@@ -1,5 +1,5 @@
-"""The default patches: upstream call sites of mmcv, mmdet3d, BEVDet, BEVFusion and OpenPCDet
-that muSPACE replaces.
+"""The default patches: upstream call sites of mmcv, mmdet3d, BEVDet, BEVFusion, OpenPCDet and
+spconv that muSPACE replaces.
 
     from mu_space.patcher import default_patcher
     default_patcher().apply()
@@ -41,6 +41,13 @@ Patch names (for `Patcher.disable` / `enable`):
     pcdet.boxes_iou_bev / boxes_bev_iou_cpu   on   pcdet.ops.iou3d_nms.iou3d_nms_utils
     pcdet.nms_gpu / nms_normal_gpu            on   pcdet.ops.iou3d_nms.iou3d_nms_utils
     pcdet.points_in_boxes_gpu / _cpu          on   pcdet.ops.roiaware_pool3d.roiaware_pool3d_utils
+    spconv.SubMConv3d / SparseConv3d          on   spconv.pytorch.conv (+ spconv.pytorch)
+    spconv.SparseInverseConv3d                on   spconv.pytorch.conv (+ spconv.pytorch)
+    spconv.SubMConv2d / SparseConv2d          on   spconv.pytorch.conv (+ spconv.pytorch)
+    spconv.SparseMaxPool3d                    on   spconv.pytorch.pool (+ spconv.pytorch)
+    spconv.SparseSequential                   on   spconv.pytorch.modules (+ spconv.pytorch)
+    spconv.SparseConvTensor                   on   spconv.pytorch.core (+ spconv.pytorch)
+    spconv.ToDense                            on   spconv.pytorch (+ spconv.pytorch.modules)
 
 Declined call sites (no patch) and the reasons: `DECLINED` below.
 """
@@ -1156,6 +1163,226 @@ def _pcdet_points_in_boxes_cpu(backend: str) -> Callable[[Any], Any]:
     return make
 
 
+# --------------------------------------------------------------------------- spconv / sparse conv
+#
+# The rule (issue 11): the spconv.pytorch classes below are swapped for subclasses of
+# mu_space.sparse's, CONSISTENTLY - the tensor type too - so a network built after apply() holds
+# only muSPACE layers and muSPACE tensors:
+# - SparseConvTensor(...) then builds muSPACE's tensor; the swapped layers also accept an
+#   upstream spconv SparseConvTensor (one made before apply(), or through a reference to the
+#   original class) and convert it, as long as it carries no upstream rule book (an empty
+#   indice_dict); one that does is a TypeError naming the keys (its rule books are spconv's
+#   objects, not ours);
+# - the swapped SparseSequential passes the tensor to muSPACE's sparse modules AND to subclasses
+#   of upstream spconv's SparseModule (user blocks such as mmdet3d's SparseBasicBlock), features
+#   to everything else, as spconv does;
+# - weights: spconv 2.x's KRSC layout [C_out, *k, C_in], the same state_dict keys and shapes.
+# Layers not swapped (SparseConvTranspose*, 1-d / 4-d, other pools, subclasses of the upstream
+# classes defined before apply()) stay spconv's: apply() before the model code is imported and
+# the model is built. mmcv's sparse-conv modules are declined (DECLINED).
+SPCONV_CONV_MODULE = "spconv.pytorch.conv"
+SPCONV_POOL_MODULE = "spconv.pytorch.pool"
+SPCONV_CORE_MODULE = "spconv.pytorch.core"
+SPCONV_MODULES_MODULE = "spconv.pytorch.modules"
+SPCONV_PACKAGE = "spconv.pytorch"
+# spconv 2.3.x constructor parameter names
+SPCONV_SUBM_PARAMS = ((
+    "self", "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+    "groups", "bias", "indice_key", "algo", "fp32_accum", "large_kernel_fast_algo", "name",
+),)  # fmt: skip
+SPCONV_CONV_PARAMS = ((
+    "self", "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation",
+    "groups", "bias", "indice_key", "algo", "fp32_accum", "record_voxel_count",
+    "large_kernel_fast_algo", "name",
+),)  # fmt: skip
+SPCONV_INVERSE_PARAMS = ((
+    "self", "in_channels", "out_channels", "kernel_size", "indice_key", "bias", "algo",
+    "fp32_accum", "large_kernel_fast_algo", "name",
+),)  # fmt: skip
+SPCONV_POOL_PARAMS = ((
+    "self", "kernel_size", "stride", "padding", "dilation", "indice_key", "algo",
+    "record_voxel_count", "name",
+),)  # fmt: skip
+SPCONV_TENSOR_PARAMS = ((
+    "self", "features", "indices", "spatial_shape", "batch_size", "grid", "voxel_num",
+    "indice_dict", "benchmark", "permanent_thrust_allocator", "enable_timer", "force_algo",
+),)  # fmt: skip
+SPCONV_TODENSE_PARAMS = (("self", "name"),)
+# (patch name's class, defining module, precheck parameter sets)
+SPCONV_LAYERS = (
+    ("SubMConv3d", SPCONV_CONV_MODULE, SPCONV_SUBM_PARAMS),
+    ("SparseConv3d", SPCONV_CONV_MODULE, SPCONV_CONV_PARAMS),
+    ("SparseInverseConv3d", SPCONV_CONV_MODULE, SPCONV_INVERSE_PARAMS),
+    ("SubMConv2d", SPCONV_CONV_MODULE, SPCONV_SUBM_PARAMS),
+    ("SparseConv2d", SPCONV_CONV_MODULE, SPCONV_CONV_PARAMS),
+    ("SparseMaxPool3d", SPCONV_POOL_MODULE, SPCONV_POOL_PARAMS),
+)
+
+
+def _sparse_input(x: Any, where: str) -> Any:
+    """muSPACE's SparseConvTensor for `x`: itself, or an upstream spconv SparseConvTensor
+    converted (features, indices, spatial shape and batch size; no rule books)."""
+    from mu_space.sparse import SparseConvTensor
+
+    if isinstance(x, SparseConvTensor) or not all(
+        hasattr(x, a) for a in ("features", "indices", "spatial_shape", "batch_size")
+    ):
+        return x  # not a sparse tensor: the layer's own check names it
+    keys = list(getattr(x, "indice_dict", None) or {})
+    if keys:
+        raise TypeError(
+            f"{where}: an upstream {type(x).__module__}.{type(x).__name__} carrying upstream rule "
+            f"books (indice_dict keys {keys}) cannot feed muSPACE's sparse layers; build the "
+            "tensor and the network after default_patcher().apply() so every layer is muSPACE's"
+        )
+    return SparseConvTensor(x.features, x.indices, list(x.spatial_shape), int(x.batch_size))
+
+
+def _spconv_layer(cls_name: str, patch_name: str, backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        import mu_space.sparse as ms
+
+        base = getattr(ms, cls_name)
+
+        def forward(self, input, *args, **kwargs):
+            return base.forward(self, _sparse_input(input, cls_name), *args, **kwargs)
+
+        replacement = type(
+            cls_name,
+            (base,),
+            {
+                "backend": backend,
+                "forward": forward,
+                "__module__": __name__,
+                "__doc__": f"muSPACE replacement of spconv.pytorch.{cls_name} (a subclass of "
+                f"mu_space.sparse.{cls_name}: spconv 2.x's constructor, KRSC weights, "
+                f"indice_key rules; backend {backend!r}); upstream tensors are converted.",
+            },
+        )
+        return _mark(replacement, patch_name, original)
+
+    return make
+
+
+def _spconv_tensor(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        import mu_space.sparse as ms
+
+        class SparseConvTensor(ms.SparseConvTensor):
+            """muSPACE replacement of spconv.pytorch.SparseConvTensor (mu_space.sparse's, with
+            spconv 2.x's constructor and attributes)."""
+
+        SparseConvTensor.__module__ = __name__
+        return _mark(SparseConvTensor, "spconv.SparseConvTensor", original)
+
+    return make
+
+
+def _spconv_sequential(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        import importlib
+
+        import mu_space.sparse as ms
+
+        upstream_module = getattr(
+            importlib.import_module(SPCONV_MODULES_MODULE), "SparseModule", ()
+        )
+
+        class SparseSequential(ms.SparseSequential):
+            """muSPACE replacement of spconv.pytorch.SparseSequential: muSPACE's sparse modules
+            and subclasses of upstream spconv's SparseModule get the tensor, other modules its
+            features (skipped for a tensor without rows, as spconv)."""
+
+            def forward(self, input):
+                input = _sparse_input(input, "SparseSequential")
+                for module in self._modules.values():
+                    if ms.is_spconv_module(module) or isinstance(module, upstream_module):
+                        input = module(input)
+                    elif isinstance(input, ms.SparseConvTensor):
+                        if input.indices.shape[0] != 0:
+                            input = input.replace_feature(module(input.features))
+                    else:
+                        input = module(input)
+                return input
+
+        SparseSequential.__module__ = __name__
+        return _mark(SparseSequential, "spconv.SparseSequential", original)
+
+    return make
+
+
+def _spconv_to_dense(backend: str) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        import mu_space.sparse as ms
+
+        class ToDense(ms.ToDense):
+            """muSPACE replacement of spconv.pytorch.ToDense: [B, C, *spatial_shape]."""
+
+            def forward(self, x):
+                return ms.ToDense.forward(self, _sparse_input(x, "ToDense"))
+
+        ToDense.__module__ = __name__
+        return _mark(ToDense, "spconv.ToDense", original)
+
+    return make
+
+
+def _sequential_check(original: Any) -> str | None:
+    """SparseSequential(*args, **kwargs) has no parameter names to compare: it must be an
+    nn.Module class with spconv's `add` method, never a muSPACE replacement."""
+    marked = getattr(original, _MARK, None)
+    if marked is not None:
+        return f"already replaced by muSPACE (patch {marked!r} of another Patcher)"
+    if not (isinstance(original, type) and issubclass(original, torch.nn.Module)):
+        return f"{original!r} is not an nn.Module class"
+    if not callable(getattr(original, "add", None)):
+        return "upstream SparseSequential has no add(module, name) method (not spconv 2.x's)"
+    return None
+
+
+def _spconv_patches(backend: str) -> list[Patch]:
+    patches = [
+        Patch(
+            f"spconv.{cls}",
+            f"{module}.{cls}",
+            _spconv_layer(cls, f"spconv.{cls}", backend),
+            aliases=(f"{SPCONV_PACKAGE}.{cls}",),
+            precheck=_one_of(params, get=_class_init),
+            description=f"spconv 2.x {cls} -> mu_space.sparse.{cls} (a subclass; "
+            "mu_space.sparse_rulebook + sparse_conv / sparse_maxpool)",
+        )
+        for cls, module, params in SPCONV_LAYERS
+    ]
+    patches += [
+        Patch(
+            "spconv.SparseSequential",
+            f"{SPCONV_MODULES_MODULE}.SparseSequential",
+            _spconv_sequential(backend),
+            aliases=(f"{SPCONV_PACKAGE}.SparseSequential",),
+            precheck=_sequential_check,
+            description="spconv 2.x SparseSequential -> mu_space.sparse.SparseSequential "
+            "(also passes the tensor to upstream SparseModule subclasses)",
+        ),
+        Patch(
+            "spconv.SparseConvTensor",
+            f"{SPCONV_CORE_MODULE}.SparseConvTensor",
+            _spconv_tensor(backend),
+            aliases=(f"{SPCONV_PACKAGE}.SparseConvTensor",),
+            precheck=_one_of(SPCONV_TENSOR_PARAMS, get=_class_init),
+            description="spconv 2.x SparseConvTensor -> mu_space.sparse.SparseConvTensor",
+        ),
+        Patch(
+            "spconv.ToDense",
+            f"{SPCONV_PACKAGE}.ToDense",
+            _spconv_to_dense(backend),
+            aliases=(f"{SPCONV_MODULES_MODULE}.ToDense",),
+            precheck=_one_of(SPCONV_TODENSE_PARAMS, get=_class_init),
+            description="spconv 2.x ToDense -> mu_space.sparse.ToDense",
+        ),
+    ]
+    return patches
+
+
 # Upstream call sites with no default patch, and why (docs/patcher.md, "Box operators").
 DECLINED = {
     "mmcv.nms_normal_bev": "mmcv >= 1.6 computes it as the 2-D axis-aligned `nms(boxes[:, :4], "
@@ -1174,6 +1401,18 @@ DECLINED = {
     "pcdet.RoIPointPool3d": "OpenPCDet's RoIPointPool3d(num_sampled_points, pool_extra_width) "
     "enlarges z-centre boxes first; mu_space.roipoint_pool3d is mmcv's (no enlargement, z at the "
     "bottom) and mu_space.ops.pcdet has no adapter",
+    "mmcv.sparse_conv": "mmcv.ops.sparse_conv / sparse_modules / sparse_structure (SubMConv3d, "
+    "SparseConv3d, SparseInverseConv3d, SparseSequential, SparseConvTensor) hold RSCK weights "
+    "[*k, C_in, C_out] (spconv 1.x's) where mu_space.sparse's modules hold spconv 2.x's KRSC "
+    "[C_out, *k, C_in]: a swap would change the shape of every checkpoint's conv weights, and "
+    "mmcv's max pool floors at 0; mmcv's modules keep running, on mmcv's _ext functions, which "
+    "mu_space.sparse.mmcv_ext provides with mmcv's rules (served as mmcv._ext by "
+    "mu_space.compat.mmcv). mmdet3d uses spconv.pytorch's classes when spconv 2.x is installed "
+    "(mmdet3d.models.layers.spconv), which the spconv.* patches cover",
+    "spconv.others": "spconv.pytorch's SparseConvTranspose*d, 1-d / 4-d layers, SparseAvgPool*, "
+    "global pools and SparseModule are not swapped (not in the issue's list; SparseModule is a "
+    "base class that model code subclasses at import time); they stay spconv's and must not be "
+    "mixed with swapped layers in one network",
 }
 
 
@@ -1500,6 +1739,8 @@ def default_patches(*, backend: str = "auto") -> list[Patch]:
             description="OpenPCDet roiaware_pool3d_utils.points_in_boxes_cpu -> "
             "mu_space.ops.pcdet.points_in_boxes_cpu",
         ),
+        # ----------------------------------------------------------- spconv (issue 11)
+        *_spconv_patches(backend),
     ]
 
 
