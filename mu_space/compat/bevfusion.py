@@ -18,8 +18,8 @@ src/voxelization.cpp + voxelization.h: no py::arg names, so no keywords and no d
 call the public muSPACE ops with the surrogate's backend ("auto": native on a GPU, the PyTorch
 reference on CPU): `mu_space.bev_pool` for the pooling, the mmcv._ext surrogate's voxel adapters
 (mu_space.compat.mmcv._served: the patcher's adapters over mu_space.voxelization /
-dynamic_voxelize / dynamic_scatter) for the voxel layer. mu_space.compat.mmcv.install() is not
-needed for these. Conventions and differences: docs/compat_mmcv.md ("BEVFusion's extensions").
+dynamic_voxelize / dynamic_scatter) for the voxel layer, whose coordinates BEVFusion writes in
+(x, y, z) order (mmcv: (z, y, x)). mu_space.compat.mmcv.install() is not needed for these. Conventions and differences: docs/compat_mmcv.md ("BEVFusion's extensions").
 """
 
 from __future__ import annotations
@@ -207,27 +207,38 @@ def _ndim(fn: str, NDim: Any) -> None:
         )
 
 
+def _xyz(coors: torch.Tensor) -> torch.Tensor:
+    """mmcv's (z, y, x) rows as BEVFusion's (x, y, z); rows marking a dropped point (first
+    column -1: upstream's -1 pattern is positional, the same in both) unchanged."""
+    return torch.where(coors[:, :1] >= 0, coors.flip(1), coors)
+
+
 def hard_voxelize(
     backend, points, voxels, coors, num_points_per_voxel, voxel_size, coors_range,
     max_points, max_voxels, NDim, deterministic,
 ):  # fmt: skip
     """Fills the caller's voxels [max_voxels, max_points, F], coors [max_voxels, 3] int32
-    (z, y, x) and num_points_per_voxel [max_voxels] int32 for the first M voxels; returns M
-    (an int). mmcv's hard voxelization (mu_space.voxelization; deterministic as given)."""
+    (x, y, z: BEVFusion's order, mmcv's reversed) and num_points_per_voxel [max_voxels] int32
+    for the first M voxels; returns M (an int). Otherwise mmcv's deterministic hard
+    voxelization (mu_space.voxelization; `deterministic` passed on)."""
     _ndim("voxel_layer.hard_voxelize", NDim)
     voxel_num = torch.zeros((), dtype=torch.int64)
     _mmcv_adapter("hard_voxelize_forward")(
         backend, points, voxel_size, coors_range, voxels, coors, num_points_per_voxel,
         voxel_num, max_points, max_voxels, 3, bool(deterministic),
     )  # fmt: skip
-    return int(voxel_num)
+    m = int(voxel_num)
+    coors[:m] = coors[:m].flip(1)
+    return m
 
 
 def dynamic_voxelize(backend, points, coors, voxel_size, coors_range, NDim):
-    """Writes coors [N, 3] int32 (z, y, x; -1 rows for points outside the range) in place;
-    returns None (mu_space.dynamic_voxelize)."""
+    """Writes coors [N, 3] int32 in place: (x, y, z) (BEVFusion's order, mmcv's reversed) and,
+    for a point outside the range, upstream's GPU rows (x out: (-1, 0, 0), y out: (-1, -1, 0),
+    z out: (-1, -1, -1)); returns None (mu_space.dynamic_voxelize)."""
     _ndim("voxel_layer.dynamic_voxelize", NDim)
     _mmcv_adapter("dynamic_voxelize_forward")(backend, points, voxel_size, coors_range, coors, 3)
+    coors.copy_(_xyz(coors))
 
 
 _REDUCE = ("max", "sum", "mean")
