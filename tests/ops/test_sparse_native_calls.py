@@ -24,9 +24,10 @@ import torch
 
 from mu_space.ops import _opdef, _sparse, _sparse_native
 from mu_space.runtime import native
+from tests.native_calls import REACHED, ReachedRuntime, load_library, relabelling
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from native_messages import KDL_BFLOAT, _tensor, _variants  # noqa: E402
+from native_messages import _tensor, _variants  # noqa: E402
 
 ENTRY_POINTS = (
     *_sparse_native.RULEBOOK_ENTRY_POINTS,
@@ -34,67 +35,20 @@ ENTRY_POINTS = (
     "sparse_maxpool_forward",
     "sparse_maxpool_backward",
 )
-REACHED = "get current device failed"
 # scalar / Shape arguments that messages may name (a size relation reported on them)
 DTYPE_OR_DEVICE = ("cpu", "float64", "float32", "float16", "bfloat16", "int32", "int64")
 SCALARS = ("shape", "spatial_shape", "out_shape", "counts", "K = ")
 
 
-class _ReachedRuntime(Exception):
-    pass
-
-
 @pytest.fixture(scope="module")
 def library():
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is visible: this check is for machines without a GPU")
-    path = native.library_path()
-    if not path.is_file():
-        pytest.skip(f"no native library at {path}")
-    try:
-        import tvm_ffi
-
-        lib = tvm_ffi.load_module(str(path))
-        for name in ENTRY_POINTS:
-            lib[name]
-    except Exception as exc:  # noqa: BLE001 - an old or unloadable library: nothing to check
-        pytest.skip(f"the library cannot be used for this check: {exc}")
-    return lib
-
-
-def _as_cuda(t):
-    if not isinstance(t, torch.Tensor):
-        return t
-    a = t.detach().contiguous()
-    if a.dtype == torch.bfloat16:
-        return _tensor(a.view(torch.int16).numpy().view(np.uint16), code=KDL_BFLOAT)
-    return _tensor(a.numpy())
+    return load_library(ENTRY_POINTS)
 
 
 @pytest.fixture
 def calls(library, monkeypatch):
-    """native.function(name) -> the library's function on relabelled tensors; records the
-    entry points that reached the runtime."""
-    reached = []
-
-    def function(name):
-        fn = library[name]
-        if name.endswith("_workspace_ints"):
-            return fn
-
-        def call(*args):
-            try:
-                fn(*(_as_cuda(a) for a in args))
-            except RuntimeError as exc:
-                if REACHED in str(exc):
-                    reached.append(name)
-                    raise _ReachedRuntime(name) from None
-                raise
-            raise AssertionError(f"{name} ran without a GPU?")
-
-        return call
-
-    monkeypatch.setattr(native, "function", function)
+    """The entry points the Python layer called, each stopped at the runtime."""
+    reached = relabelling(library, monkeypatch)
     monkeypatch.setattr(_sparse_native, "stream_handle", lambda t: 0)
     monkeypatch.setattr(native, "limit", lambda key: 2**31 - 1)
     return reached
@@ -123,32 +77,32 @@ def test_rulebook_stages_pass_arguments_the_library_accepts(calls, library, case
     ws = torch.zeros(int(library["sparse_rulebook_workspace_ints"](K, n)), dtype=torch.int32)
     header = torch.zeros(4, dtype=torch.int32)
     c = _opdef.Checked(idx.device, torch.int32, None, info, "indices")
-    with pytest.raises(_ReachedRuntime):  # the op's first launch: the input table
+    with pytest.raises(ReachedRuntime):  # the op's first launch: the input table
         _sparse_native.rulebook_native(c, *args)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _sparse_native.insert_table(idx, 2, shape, header, 0)
     cap = _sparse_native.table_capacity(n)
     table = (torch.zeros(cap, dtype=torch.int64), torch.zeros(cap, dtype=torch.int32))
     mode = 0 if subm else 2 if transposed else 1
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _sparse_native.rulebook_pairs(idx, table, ws, info, mode, n, 0)
     want = ["sparse_hash_insert"] * 2 + ["sparse_rulebook_forward"]
     if not subm:
-        with pytest.raises(_ReachedRuntime):
+        with pytest.raises(ReachedRuntime):
             _sparse_native.rulebook_candidates(idx, info, 0)
         keys = torch.zeros(K * n, dtype=torch.int64)
-        with pytest.raises(_ReachedRuntime):
+        with pytest.raises(ReachedRuntime):
             _sparse_native.rulebook_unique(keys, keys.clone(), ws, header, 0)
-        with pytest.raises(_ReachedRuntime):
+        with pytest.raises(ReachedRuntime):
             _sparse_native.insert_table(keys[:100], 2, info["out_shape"], header, 0)
         m_table = _sparse_native.table_capacity(100)
         out_table = (
             torch.zeros(m_table, dtype=torch.int64),
             torch.zeros(m_table, dtype=torch.int32),
         )
-        with pytest.raises(_ReachedRuntime):
+        with pytest.raises(ReachedRuntime):
             _sparse_native.rulebook_pairs(idx, out_table, ws, info, mode, 100, 0)
-        with pytest.raises(_ReachedRuntime):
+        with pytest.raises(ReachedRuntime):
             _sparse_native.rulebook_decode(keys[:100], info, 0)
         want += [
             "sparse_rulebook_candidates", "sparse_rulebook_unique", "sparse_hash_insert",
@@ -165,10 +119,10 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
     f, w, p, n, m, inv = sparse_conv.sample_case("cpu", subm=False, inverse=inverse)
     f, w = f.to(dtype), w.to(dtype)
     c = sparse_conv._check(f, w, p, n, m, inv)
-    with pytest.raises(_ReachedRuntime):  # the first launch: sparse_pairs_check
+    with pytest.raises(ReachedRuntime):  # the first launch: sparse_pairs_check
         _sparse_native.conv_native(c, f, w, p, n, m, inv)
     g = torch.zeros(m, w.shape[2], dtype=dtype)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _sparse_native.conv_backward_native(
             c, g, f, w, p, n, m, inv, needs=(True, True), deterministic=True
         )
@@ -178,9 +132,9 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
     header = torch.zeros(2 * K + 3, dtype=torch.int32)
     header[K : 2 * K + 1] = torch.tensor([0, *np.cumsum(counts)], dtype=torch.int32)
     g_side, s_side = (1, 0) if inv else (0, 1)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _sparse_native.gather(f, p, header, total, g_side, 0)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _sparse_native.scatter(torch.zeros(total, w.shape[2]), p, counts,
                                torch.zeros(m, w.shape[2]), s_side, 0)  # fmt: skip
     assert calls == ["sparse_pairs_check"] * 2 + ["sparse_conv_gather", "sparse_conv_scatter"]
@@ -188,17 +142,17 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
         return
     calls.clear()
     c = sparse_maxpool._check(f, p, n, m)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _sparse_native.maxpool_native(c, f, p, n, m)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _sparse_native.maxpool_backward_native(
             c, torch.zeros(m, f.shape[1], dtype=dtype), f, p, n, m, needs=(True,),
             deterministic=False,
         )  # fmt: skip
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _sparse_native.pool_forward(f, p, counts, m, 0)
     out = torch.zeros(m, f.shape[1], dtype=dtype)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _sparse_native.pool_backward(out, f, out, p, counts, 0)
     assert calls == ["sparse_pairs_check"] * 2 + [
         "sparse_maxpool_forward",

@@ -10,18 +10,13 @@ that has the voxel entry points.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from mu_space.ops import _opdef
-from mu_space.runtime import native
 from mu_space.testing import lidar
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from native_messages import KDL_BFLOAT, _tensor  # noqa: E402
+from tests.native_calls import ReachedRuntime, load_library, relabelling
 
 ENTRY_POINTS = (
     "voxel_hard_forward",
@@ -34,63 +29,15 @@ ENTRY_POINTS = (
 )
 
 
-class _ReachedRuntime(Exception):
-    pass
-
-
 @pytest.fixture(scope="module")
 def library():
-    if torch.cuda.is_available():
-        # with a driver the relabelled host arrays would reach real launches: never on a GPU
-        # machine (the GPU tests cover these calls there for real)
-        pytest.skip("a CUDA device is visible: this check is for machines without a GPU")
-    path = native.library_path()
-    if not path.is_file():
-        pytest.skip(f"no native library at {path}")
-    try:
-        import tvm_ffi
-
-        lib = tvm_ffi.load_module(str(path))
-        for name in ENTRY_POINTS:
-            lib[name]
-    except Exception as exc:  # noqa: BLE001 - an old or unloadable library: nothing to check
-        pytest.skip(f"the library cannot be used for this check: {exc}")
-    return lib
-
-
-def _as_cuda(t):
-    if not isinstance(t, torch.Tensor):
-        return t
-    a = t.detach().contiguous()
-    if a.dtype == torch.bfloat16:
-        return _tensor(a.view(torch.int16).numpy().view(np.uint16), code=KDL_BFLOAT)
-    return _tensor(a.numpy())
+    return load_library(ENTRY_POINTS)
 
 
 @pytest.fixture
 def calls(library, monkeypatch):
-    """native.function(name) -> the library's function on relabelled tensors; records the
-    entry points that reached the runtime."""
-    reached = []
-
-    def function(name):
-        fn = library[name]
-        if name.endswith("_workspace_ints"):
-            return fn
-
-        def call(*args):
-            try:
-                fn(*(_as_cuda(a) for a in args))
-            except RuntimeError as exc:
-                if "get current device failed" in str(exc):
-                    reached.append(name)
-                    raise _ReachedRuntime(name) from None
-                raise
-            raise AssertionError(f"{name} ran without a GPU?")
-
-        return call
-
-    monkeypatch.setattr(native, "function", function)
+    """The entry points the Python layer called, each stopped at the runtime."""
+    reached = relabelling(library, monkeypatch)
     for mod in ("_voxel", "dynamic_scatter", "pillar_scatter"):
         monkeypatch.setattr(sys.modules[f"mu_space.ops.{mod}"], "stream_handle", lambda t: 0)
     return reached
@@ -130,7 +77,7 @@ def test_voxelization_entry_points_accept_the_python_arguments(calls, dtype):
             {"sample_sizes": [len(c) for c in clouds]},
         ),
     ):
-        with pytest.raises(_ReachedRuntime):
+        with pytest.raises(ReachedRuntime):
             _native(op, *args, **kwargs)
     assert calls == ["voxel_hard_forward"] * 3 + ["voxel_dynamic_forward"] * 2
 
@@ -141,19 +88,19 @@ def test_scatter_entry_points_accept_the_python_arguments(calls, reduce):
 
     ds = sys.modules["mu_space.ops.dynamic_scatter"]
     pts, coors = ds._dynamic_coors("cpu")
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _native("voxel_group", coors)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _native("voxel_group", coors.long())
     g = mu_space.ops.voxel_group(coors, backend="reference")
     args = (pts, g.order, g.starts, g.counts, g.point2voxel, reduce)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _native("segment_reduce", *args)
     op = ds.REDUCE
     schema = op.capture_schema_args(*args)
     c = op.d.check(*schema)
     grad = torch.ones(g.starts.shape[0], pts.shape[1])
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         op.d.backward.native(c, grad, *schema, needs=(True,), deterministic=False)
     assert calls == ["voxel_group_forward"] * 2 + [
         "segment_reduce_forward",
@@ -167,13 +114,13 @@ def test_pillar_entry_points_accept_the_python_arguments(calls, dtype):
     s = ps._samples(torch.device("cpu"))[0]
     feats, coors, B, shape = s.args
     feats = feats.to(dtype)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _native("pillar_scatter", feats, coors, B, shape)
     op = ps.OP
     schema = op.capture_schema_args(feats, coors, B, shape)
     c = op.d.check(*schema)
     grad = torch.ones(B, feats.shape[1], *shape, dtype=dtype)
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         op.d.backward.native(c, grad, *schema, needs=(True,), deterministic=False)
     assert calls == ["pillar_scatter_forward", "pillar_scatter_backward"]
 
@@ -191,7 +138,7 @@ def test_new_outputs_are_what_the_kernels_fill(calls, monkeypatch):
     monkeypatch.setattr(_opdef, "new_output", spy)
     vs, pcr, P, V = lidar.layer_args("tiny-voxels")
     pts = lidar.make("tiny-3sweeps")
-    with pytest.raises(_ReachedRuntime):
+    with pytest.raises(ReachedRuntime):
         _native("voxelization", pts, vs, pcr, P, V, True)
     rows = min(pts.shape[0], V)
     assert seen == [
