@@ -16,10 +16,11 @@ atomics needed. The backward is the real op `mu_space::sparse_conv_backward`: gr
 = the same loop with weight[k]^T, scattered to the gathered side; grad_weight[k] =
 features[gathered]^T @ grad_out[scattered].
 
-Native part (not written yet: `native=None`, entry points `sparse_conv_forward` /
-`sparse_conv_backward` named for the library): per offset a gather kernel into a [n_k, C_in]
-buffer, a GEMM with float32 accumulation and a conflict-free scatter-add (or one fused
-implicit-GEMM kernel over all offsets); the same per-offset order as the reference.
+Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_conv_musa.mu; compiled, not
+yet run on a GPU: `unverified`): `sparse_pairs_check` (clamped counts and their starts: the one
+host sync, torch.mm needs the counts), `sparse_conv_gather` (the rows of every offset into one
+float32 buffer, one launch), torch.mm per offset, `sparse_conv_scatter` (plain adds per offset,
+in offset order: conflict-free, deterministic); the same order as the reference.
 """
 
 from __future__ import annotations

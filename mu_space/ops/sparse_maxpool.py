@@ -16,10 +16,9 @@ Reference path (here): a loop over the K offsets (never over points): per offset
 element-wise maximum and a write back (the output rows of one offset are distinct, so the
 writes never conflict), then the comparison for the gradient; deterministic.
 
-Native part (not written yet: `native=None`, entry points `sparse_maxpool_forward` /
-`sparse_maxpool_backward` named for the library): one kernel per direction over the rule book,
-a thread per (pair, channel); within an offset the output rows are distinct, so offsets run one
-after another without atomics.
+Native part (csrc/sparse/sparse_maxpool_musa.mu; compiled, not yet run on a GPU:
+`unverified`): `sparse_maxpool_forward` / `_backward`, one launch per offset over the rule book
+(the output rows of an offset are distinct: no atomics); the backward recomputes the maximum.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ computes every output site an input reaches, takes the sorted unique keys as the
 offset are compacted in ascending input row (a cumulative sum). Vectorised over points and
 offsets; no Python loop over points.
 
-Native part (not written yet: `native=None`, entry point `sparse_rulebook_forward` named so the
-library can grow it): a GPU hash table of the input keys (SubM lookups) and of the output keys
-(insert, then compact), or a radix sort of the keys as here; the same layout and order, so the
-native and reference rule books are equal element by element. One host synchronisation (the
-output count M).
+Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_rulebook_musa.mu; compiled,
+not yet run on a GPU: `unverified`): a GPU hash table of the input keys (SubM lookups) or of the
+sorted unique output keys (strided / transposed: candidates -> torch.sort -> unique), then a
+stable per-offset compaction by one exclusive scan: the same layout and order, so the native and
+reference rule books are equal element by element. One host synchronisation (the error flags,
+and M for strided / transposed).
 """
 
 from __future__ import annotations
