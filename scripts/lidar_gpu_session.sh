@@ -4,7 +4,8 @@
 # command on the H200 (16 cores). A machine start costs minutes of device time, so run a stage
 # per call and bring everything a stage needs:
 #
-#   carry: .whl (apache-tvm-ffi wheels), .peers (mmcv's sources: ignored by git), mu_space/_lib
+#   carry: .whl (apache-tvm-ffi wheels), .peers/mmcv (mmcv's sources: ignored by git; not the
+#          whole .peers once it holds spconv), mu_space/_lib
 #          (prebuilt here: CUDA_ARCH=90a python build_utils.py --inplace; kept when current)
 #   bash scripts/lidar_gpu_session.sh check      # ~8 min: build if stale, mmcv peers (background),
 #                                                # every LiDAR test + contracts with -n 12, the
