@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+import mu_space
 from mu_space.testing import bev_geometry
 
 SCRIPT = (
@@ -60,7 +61,7 @@ def test_script_passes_and_catches_a_wrong_pool(monkeypatch, capsys):
     args = ["--device", "cpu", "--small", "--warmup", "0", "--reps", "1"]
     assert script.main(args) == 0
     assert "PASS" in capsys.readouterr().out
-    pool = script.mu_space.bev_pool_v2
-    monkeypatch.setattr(script.mu_space, "bev_pool_v2", lambda *a, **k: pool(*a, **k) * 1.001)
+    pool = mu_space.bev_pool_v2
+    monkeypatch.setattr(mu_space, "bev_pool_v2", lambda *a, **k: pool(*a, **k) * 1.001)
     assert script.main(args) == 1
     assert "FAIL" in capsys.readouterr().out

@@ -513,10 +513,34 @@ _FACTORED_POOL = "__mu_space_factored_pool__"  # set on the factored bev_pool re
 _XY_SWAP = [1, 0, 2]
 
 
+def factored_lss_pool(depth, context, geom, lower, interval, grid_size, *, backend="auto"):
+    """BEVFusion's LSS pooling from its factors: what `BaseTransform.bev_pool` computes from the
+    product `depth (outer) context`, without forming it.
+
+        depth [B, N, D, H, W], context [B, N, H, W, C] (channels last), geom [B, N, D, H, W, 3]
+        cells ((geom - lower) / interval).long(), points outside grid_size (X, Y, Z) dropped
+        -> [B, C * Z, X, Y] (BEVFusion's x-major layout, z folded into channels)
+
+    bev_pool_prepare + bev_pool_v2 with x and y swapped (bev_pool_v2 writes y-major)."""
+    b, c = depth.shape[0], context.shape[-1]
+    nx, ny, nz = (int(v) for v in grid_size)
+    ranks = mu_space.bev_pool_prepare(
+        geom[..., _XY_SWAP].contiguous(),
+        lower[_XY_SWAP],
+        interval[_XY_SWAP],
+        (ny, nx, nz),
+        backend=backend,
+    )
+    bev = mu_space.bev_pool_v2(
+        depth, context, *ranks.bev_pool_v2_args((b, nz, nx, ny, c)), backend=backend
+    )  # [B, C, Z, X, Y]
+    return torch.cat(bev.unbind(dim=2), 1)
+
+
 def _lss_pool(backend: str) -> Callable[[Any], Any]:
-    """BaseTransform.bev_pool(self, geom_feats, x): a FactoredFrustum is pooled with
-    bev_pool_prepare + bev_pool_v2 over the same cells BEVFusion computes
-    (`((geom - (bx - dx / 2)) / dx).long()`, in-grid filter); anything else goes to the original."""
+    """BaseTransform.bev_pool(self, geom_feats, x): a FactoredFrustum goes to factored_lss_pool
+    over the same cells BEVFusion computes (`((geom - (bx - dx / 2)) / dx).long()`, in-grid
+    filter); anything else goes to the original."""
 
     def make(original: Any) -> Any:
         def bev_pool(self, geom_feats, x):
@@ -526,19 +550,10 @@ def _lss_pool(backend: str) -> Callable[[Any], Any]:
             depth, context = x.depth, x.context
             if getattr(self, "fp16_enabled", False):  # MIT BEVFusion's @force_fp32
                 depth, context, geom_feats = depth.float(), context.float(), geom_feats.float()
-            b, c = depth.shape[0], context.shape[-1]
-            nx, ny, nz = (int(v) for v in self.nx)
-            ranks = mu_space.bev_pool_prepare(
-                geom_feats[..., _XY_SWAP].contiguous(),
-                (self.bx - self.dx / 2.0)[_XY_SWAP],
-                self.dx[_XY_SWAP],
-                (ny, nx, nz),
-                backend=backend,
+            lower = self.bx - self.dx / 2.0
+            return factored_lss_pool(
+                depth, context, geom_feats, lower, self.dx, self.nx, backend=backend
             )
-            bev = mu_space.bev_pool_v2(
-                depth, context, *ranks.bev_pool_v2_args((b, nz, nx, ny, c)), backend=backend
-            )  # [B, C, Z, X, Y]
-            return torch.cat(bev.unbind(dim=2), 1)
 
         setattr(bev_pool, _FACTORED_POOL, True)
         return _mark(bev_pool, "bevfusion.factored_lss.bev_pool", original)

@@ -42,15 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import bevfusion_vtransform as upstream_form  # noqa: E402
 
-import mu_space  # noqa: E402
+from mu_space.patcher.patches import factored_lss_pool  # noqa: E402
 
 OUT_TOL = 1e-5
 GRAD_TOL = 1e-4
-XY_SWAP = [
-    1,
-    0,
-    2,
-]  # (x, y, z) -> (y, x, z): bev_pool_v2's y-major grid becomes BEVFusion's x-major
 
 
 class FactoredLSSVTransform(upstream_form.LSSVTransform):
@@ -62,21 +57,16 @@ class FactoredLSSVTransform(upstream_form.LSSVTransform):
         x = self.depthnet(img_feat)
         depth = x[:, : self.D].softmax(dim=1).view(b, n, self.D, h, w)
         context = x[:, self.D : self.D + self.C].permute(0, 2, 3, 1).reshape(b, n, h, w, self.C)
-        nx, ny, nz = self.cfg.grid_size
-        ranks = mu_space.bev_pool_prepare(
-            geom[..., XY_SWAP].contiguous(),
-            self.lower[XY_SWAP],
-            self.interval[XY_SWAP],
-            (ny, nx, nz),
-            backend=self.backend,
-        )
-        bev = mu_space.bev_pool_v2(  # [B, C, Z, X, Y]: BEVFusion's layout (axes swapped above)
+        bev = factored_lss_pool(  # what the bevfusion.factored_lss.* patches run in the model
             depth,
             context,
-            *ranks.bev_pool_v2_args((b, nz, nx, ny, self.C)),
+            geom,
+            self.lower,
+            self.interval,
+            self.cfg.grid_size,
             backend=self.backend,
         )
-        return {"bev": torch.cat(bev.unbind(dim=2), dim=1)}
+        return {"bev": bev}
 
 
 def peak_step_bytes(module, inputs, weights, device) -> int | None:
