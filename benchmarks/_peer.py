@@ -54,20 +54,24 @@ class PeerLibrary:
         return getattr(torch.ops, self.namespace)
 
 
-def ratio_table(paths: list[str], peer: str = "mmcv") -> str:
-    """ours / peer medians of every case with a `<case>-<peer>` twin in the given results files."""
-    lines = [
-        f"| case | ours (µs) | {peer} (µs) | {peer} / ours |",
-        "| --- | --- | --- | --- |",
-    ]
+def twin_rows(paths: list[str], peer: str):
+    """(case, ours median µs, peer median µs) for every case with a `<case>-<peer>` twin that
+    both have a median for, in the given results files."""
     for path in paths:
         by_name = {r["name"]: r for r in json.loads(Path(path).read_text())["results"]}
         for name, r in by_name.items():
             twin = by_name.get(f"{name}-{peer}")
             if twin is None or r.get("median_us") is None or twin.get("median_us") is None:
                 continue
-            ratio = twin["median_us"] / r["median_us"]
-            lines.append(
-                f"| {name} | {r['median_us']:.1f} | {twin['median_us']:.1f} | {ratio:.1f}x |"
-            )
+            yield name, r["median_us"], twin["median_us"]
+
+
+def ratio_table(paths: list[str], peer: str = "mmcv") -> str:
+    """ours / peer medians of every case with a `<case>-<peer>` twin in the given results files."""
+    lines = [
+        f"| case | ours (µs) | {peer} (µs) | {peer} / ours |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, ours, theirs in twin_rows(paths, peer):
+        lines.append(f"| {name} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.1f}x |")
     return "\n".join(lines)

@@ -19,12 +19,12 @@ Targets (issue 11): muSPACE's median <= 1.0x spconv's (goal 0.7x) per case with 
 
 from __future__ import annotations
 
-import json
 import sys
 import warnings
-from pathlib import Path
 
 import torch
+
+from benchmarks._peer import twin_rows
 
 TARGET_RATIO = 1.0  # ours / spconv, per case
 GOAL_RATIO = 0.7
@@ -107,18 +107,10 @@ def matching(sp_indices: torch.Tensor, our_indices: torch.Tensor) -> torch.Tenso
 
 
 def ratio_rows(paths: list[str]) -> list[dict]:
-    rows = []
-    for path in paths:
-        by_name = {r["name"]: r for r in json.loads(Path(path).read_text())["results"]}
-        for name, r in by_name.items():
-            t = by_name.get(f"{name}-spconv")
-            if t is None or r.get("median_us") is None or t.get("median_us") is None:
-                continue
-            rows.append(
-                {"case": name, "ours_us": r["median_us"], "spconv_us": t["median_us"],
-                 "ratio": r["median_us"] / t["median_us"]}
-            )  # fmt: skip
-    return rows
+    return [
+        {"case": name, "ours_us": ours, "spconv_us": theirs, "ratio": ours / theirs}
+        for name, ours, theirs in twin_rows(paths, "spconv")
+    ]
 
 
 def table(paths: list[str]) -> str:
