@@ -27,7 +27,6 @@ from __future__ import annotations
 import glob
 import importlib.abc
 import importlib.machinery
-import inspect
 import operator
 import os
 import sys
@@ -40,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 import mu_space
+from mu_space.compat._surrogate import surrogate_function
 from mu_space.runtime.kernel_dispatch import BACKENDS
 
 PACKAGE = "projects.BEVFusion.bevfusion.ops"
@@ -302,31 +302,17 @@ def _short(module: str) -> str:
 
 
 def _make_function(module: str, name: str):
-    params = SIGNATURES[module][name]
-    signature = inspect.Signature(
-        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_ONLY) for p in params]
-    )
     impl = SERVED[module][name]
-    qualified = f"{_short(module)}.{name}"
-    calls, n_params = _STATE.calls, len(params)
-
-    def function(*args, **kwargs):
-        if kwargs or len(args) != n_params:
-            try:
-                args = signature.bind(*args, **kwargs).args
-            except TypeError as exc:
-                raise TypeError(f"{qualified}(): {exc}") from None
-        calls[qualified] += 1
-        return impl(_STATE.backend, *args)
-
-    function.__name__ = function.__qualname__ = name
-    function.__module__ = module
-    function.__signature__ = signature
-    what = (impl.__doc__ or "").strip()
-    function.__doc__ = (
-        f"{name}({', '.join(params)})\n\nmuSPACE surrogate of {module}.{name}. {what}"
+    return surrogate_function(
+        name,
+        SIGNATURES[module][name],
+        impl,
+        _STATE,
+        module=module,
+        counted_as=f"{_short(module)}.{name}",
+        positional_only=True,
+        what=(impl.__doc__ or "").strip(),
     )
-    return function
 
 
 class _Loader(importlib.abc.Loader):

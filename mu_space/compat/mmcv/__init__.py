@@ -19,13 +19,13 @@ naming the mmcv function when called, never at import. docs/compat_mmcv.md lists
 
 from __future__ import annotations
 
-import inspect
 import sys
 import threading
 import types
 from collections import Counter
 from dataclasses import dataclass, field
 
+from mu_space.compat._surrogate import surrogate_function
 from mu_space.compat.mmcv import _hook
 from mu_space.compat.mmcv._hook import ENV, MODULE, compiled_ext
 from mu_space.compat.mmcv._names import MMCV_VERSION, SIGNATURES
@@ -115,35 +115,27 @@ class ExtReport:
 
 
 def _make_function(name: str):
-    params = SIGNATURES[name]
-    signature = inspect.Signature(
-        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params]
-    )
     impl = SERVED.get(name)
-    calls = _STATE.calls
-    n_params = len(params)
-
-    def function(*args, **kwargs):
-        if kwargs or len(args) != n_params:
-            try:
-                args = signature.bind(*args, **kwargs).args
-            except TypeError as exc:
-                raise TypeError(f"mmcv._ext.{name}(): {exc}") from None
-        calls[name] += 1
-        if impl is None:
-            raise NotServedError(_not_served_message(name))
-        return impl(_STATE.backend, *args)
-
-    function.__name__ = function.__qualname__ = name
-    function.__module__ = MODULE
-    function.__signature__ = signature
-    what = (impl.__doc__ or "").strip() if impl is not None else ""
     if name in SPARSE:
         what = "sparse convolution: routed to mu_space.sparse.mmcv_ext at call time"
     elif impl is None:
         what = "not served by muSPACE: raises NotImplementedError when called"
-    function.__doc__ = (
-        f"{name}({', '.join(params)})\n\nmuSPACE surrogate of mmcv._ext.{name}. {what}"
+    else:
+        what = (impl.__doc__ or "").strip()
+    if impl is None:
+
+        def impl(backend, *args):
+            raise NotServedError(_not_served_message(name))
+
+    function = surrogate_function(
+        name,
+        SIGNATURES[name],
+        impl,
+        _STATE,
+        module=MODULE,
+        counted_as=name,
+        shown_as=f"{MODULE}.{name}",
+        what=what,
     )
     setattr(function, _MARK, f"mmcv._ext surrogate ({name})")
     return function
