@@ -53,8 +53,13 @@ CHANNEL_SWEEP = (16, 32, 64, 128, 256)
 SMOKE_VOXEL_SWEEP = (500,)
 SMOKE_CHANNEL_SWEEP = (16,)
 TARGETS = ()  # relative to spconv: benchmarks/_spconv_peer.py (TARGET_RATIO, GOAL_RATIO)
-# encoder (many layers, BatchNorm): the L2 error of each result relative to its L2 norm
-ENCODER_TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+# The encoder (15 layers, BatchNorm in train mode) is checked against a float64 run of the same
+# weights: each result's L2 error relative to its norm may be at most ENCODER_SLACK x the error of
+# the reference backend in the same dtype, plus ENCODER_FLOOR. A fixed tolerance against the
+# same-dtype reference cannot work: on the H200 (2026-12-01, CenterPoint frame, 118561 voxels)
+# float16 input gradients were 11.6% (native) and 11.8% (reference) off float64, so 9% off each
+# other; float32 ones 0.19% and 0.17%.
+ENCODER_SLACK, ENCODER_FLOOR = 1.25, 1e-6
 # spconv's twins (implicit GEMM, its own accumulation order and float16 rounding): max-relative
 PEER_TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
 
@@ -102,16 +107,20 @@ def _nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
-def _relative_l2(tol: float):
+def _no_worse_than_reference(truth_of):
+    """check(out, ref): out's relative L2 error against truth_of() (the float64 run) at most
+    ENCODER_SLACK x ref's, plus ENCODER_FLOOR, for every result."""
+
     def check(out, ref) -> None:
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        refs = ref if isinstance(ref, (tuple, list)) else (ref,)
-        assert len(outs) == len(refs)
-        for i, (a, b) in enumerate(zip(outs, refs)):
-            a, b = a.detach().double(), b.detach().double()
-            err, scale = float((a - b).norm()), float(b.norm())
-            assert err <= tol * scale + 1e-30, (
-                f"result {i}: ||a-b|| {err:.3g} > {tol} x {scale:.3g}"
+        truth = truth_of()
+        for i, (a, b, t) in enumerate(zip(out, ref, truth, strict=True)):
+            t = t.detach().double()
+            scale = float(t.norm()) + 1e-30
+            err = float((a.detach().double() - t).norm()) / scale
+            ref_err = float((b.detach().double() - t).norm()) / scale
+            assert err <= ENCODER_SLACK * ref_err + ENCODER_FLOOR, (
+                f"result {i}: relative error to float64 {err:.3g} > {ENCODER_SLACK} x the "
+                f"reference's {ref_err:.3g} + {ENCODER_FLOOR}"
             )
 
     return check
@@ -145,6 +154,8 @@ def encoder_cases(smoke: bool, dtype) -> list[Case]:
     ours = r.SparseEncoder(cfg, 1, be).to(dev, dtype)
     ref = r.SparseEncoder(cfg, 1, "reference").to(dev, dtype)
     ref.load_state_dict(ours.state_dict())
+    exact = r.SparseEncoder(cfg, 1, "reference").to(dev, torch.float64)
+    exact.load_state_dict(ours.state_dict())
     twin = (
         peer.twin(ours, lambda lib: r.SparseEncoder(cfg, 1, lib=lib)) if peer.available() else None
     )
@@ -158,7 +169,7 @@ def encoder_cases(smoke: bool, dtype) -> list[Case]:
     def forward(net):
         def fn(x, c):
             with torch.no_grad():
-                return net.eval()(x, c)["spatial_features"]
+                return (net.eval()(x, c)["spatial_features"],)
 
         return fn
 
@@ -168,18 +179,21 @@ def encoder_cases(smoke: bool, dtype) -> list[Case]:
             leaf = x.detach().requires_grad_(True)
             out = net(leaf, c)["spatial_features"]
             wanted = [leaf, *net.parameters()]
-            return torch.autograd.grad(out, wanted, w)
+            return torch.autograd.grad(out, wanted, w.to(out.dtype))
 
         return fn
 
-    tol = ENCODER_TOL[dtype]
     cases = []
     for direction, make in (("forward", forward), ("forward+backward", step)):
+        truth = {}
+        check = _no_worse_than_reference(
+            lambda make=make, truth=truth: truth.setdefault("t", make(exact)(f.double(), coors))
+        )
         cases.append(
             Case(
                 name=f"{name}-{direction}-{dt}", op="sparse_conv", direction=direction,
                 dtype=dtype, params=params, compulsory_bytes=nbytes, fn=make(ours),
-                make_args=lambda: (f, coors), reference=make(ref), check=_relative_l2(tol),
+                make_args=lambda: (f, coors), reference=make(ref), check=check,
             )
         )  # fmt: skip
         if twin is not None:
@@ -188,7 +202,7 @@ def encoder_cases(smoke: bool, dtype) -> list[Case]:
                     name=f"{name}-{direction}-{dt}-spconv", op="sparse_conv", direction=direction,
                     dtype=dtype, params={**params, "implementation": f"spconv {peer.version()}"},
                     compulsory_bytes=nbytes, fn=make(twin), make_args=lambda: (f, coors),
-                    reference=make(ref), check=_relative_l2(tol), time_reference=False,
+                    reference=make(ref), check=check, time_reference=False,
                 )
             )  # fmt: skip
     return cases

@@ -81,8 +81,8 @@ def _samples(device) -> list[_opdef.Sample]:
     from mu_space.ops.sparse_rulebook import sparse_rulebook
 
     idx, shape = _sparse.tiny_indices("cpu")
-    rb = sparse_rulebook(idx, 2, shape, 2, 2, 0, 1, 0, False, False)
-    rb3 = sparse_rulebook(idx, 2, shape, 3, 2, 1, 1, 0, False, False)
+    rb = sparse_rulebook(idx, 2, shape, 2, 2, 0, 1, 0, False, False, backend="reference")
+    rb3 = sparse_rulebook(idx, 2, shape, 3, 2, 1, 1, 0, False, False, backend="reference")
     gen = torch.Generator().manual_seed(11)
     feats = torch.randn(idx.shape[0], 16, generator=gen)
     m, m3 = rb.out_indices.shape[0], rb3.out_indices.shape[0]

@@ -16,6 +16,7 @@ from mu_space.ops.roiaware import (
     roiaware_pool3d_map,
     roiaware_pool3d_pool,
 )
+from mu_space.runtime.kernel_dispatch import DispatchError
 from mu_space.testing.boxes import roi_inputs as _roi_inputs
 from tests.helpers import assert_close, native_gpu_device
 from tests.ops import _box3d_oracle as oracle
@@ -208,10 +209,16 @@ def test_native_equals_reference(dtype, mode):
     rois, pts = _roi_inputs(100000, 128, seed=3)
     feats = torch.randn(100000, 16)
     args = (rois.to(device, dtype), pts.to(device, dtype), feats.to(device, dtype))
-    for out, K in ((14, 128), ((6, 4, 2), 3000), (4, 2)):
+    # 2049 = the native kernels' largest max_pts_per_voxel (a 2048-key shared-memory sort)
+    for out, K in ((14, 128), ((6, 4, 2), 2049), (4, 2)):
         got = roiaware_pool3d(*args, out, K, mode, backend="native")
         want = roiaware_pool3d(*args, out, K, mode, backend="reference")
         assert torch.equal(got.nan_to_num(), want.nan_to_num()), (out, K)
+    with pytest.raises(DispatchError, match="max_pts_per_voxel = 3000 exceeds"):
+        roiaware_pool3d(*args, (6, 4, 2), 3000, mode, backend="native")
+    auto = roiaware_pool3d(*args, (6, 4, 2), 3000, mode)  # auto: the reference, with the reason
+    want = roiaware_pool3d(*args, (6, 4, 2), 3000, mode, backend="reference")
+    assert torch.equal(auto.nan_to_num(), want.nan_to_num())
     mg = roiaware_pool3d_map(args[0], args[1], 14, 128, backend="native")
     mr = roiaware_pool3d_map(args[0], args[1], 14, 128, backend="reference")
     assert all(torch.equal(a, b) for a, b in zip(mg, mr))
