@@ -228,10 +228,10 @@ class Operator:
         return self.native_reason(c) or self.unverified_reason(backend)
 
     def unverified_reason(self, backend: str) -> str | None:
-        """Why `auto` does not run kernels that have not run on a GPU yet (None otherwise).
+        """Why `auto` does not run kernels not yet through the GPU validation (None otherwise).
         MUSPACE_TRY_UNVERIFIED=1 lets `auto` run them: the GPU sessions that verify them."""
         if backend == "auto" and self.d.unverified and os.environ.get(TRY_UNVERIFIED) != "1":
-            return f"the native kernels are not verified on a GPU yet ({self.d.unverified})"
+            return f"the native kernels are not fully verified yet ({self.d.unverified})"
         return None
 
     def native_reason(self, c: Checked) -> str | None:

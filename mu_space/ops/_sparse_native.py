@@ -45,7 +45,7 @@ from mu_space.ops import _opdef
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
-UNVERIFIED = "issue 11: kernels compiled (nvcc, clang), not yet run on a GPU"
+UNVERIFIED = "issue 11: the GPU suite passed on an H200 (2026-12-01); the compute-sanitizer stage is still to run"
 RULEBOOK_ENTRY_POINTS = (
     "sparse_rulebook_forward",
     "sparse_rulebook_workspace_ints",

@@ -33,8 +33,9 @@ from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
 INT32_MAX = 2**31 - 1
-# OpDef.unverified of every voxel op with native kernels (removed after the GPU suite passes)
-UNVERIFIED = "issue 10: kernels compiled (nvcc, clang) but not yet run on a GPU"
+# OpDef.unverified of every voxel op with native kernels ("" once the GPU suite and the
+# compute-sanitizer stage have passed)
+UNVERIFIED = "issue 10: the GPU suite passed on an H200 (2026-12-01); the compute-sanitizer stage is still to run"
 POINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 NATIVE_POINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # upper bounds of the integer arguments (a larger value is a ValueError naming it): the outputs

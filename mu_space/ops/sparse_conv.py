@@ -16,8 +16,8 @@ atomics needed. The backward is the real op `mu_space::sparse_conv_backward`: gr
 = the same loop with weight[k]^T, scattered to the gathered side; grad_weight[k] =
 features[gathered]^T @ grad_out[scattered].
 
-Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_conv_musa.mu; compiled, not
-yet run on a GPU: `unverified`): `sparse_pairs_check` (clamped counts and their starts: the one
+Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_conv_musa.mu; GPU suite
+passed on an H200, sanitizers pending: `unverified`): `sparse_pairs_check` (clamped counts and their starts: the one
 host sync, torch.mm needs the counts), `sparse_conv_gather` (the rows of every offset into one
 float32 buffer, one launch), torch.mm per offset, `sparse_conv_scatter` (plain adds per offset,
 in offset order: conflict-free, deterministic); the same order as the reference.

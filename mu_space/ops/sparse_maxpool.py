@@ -16,8 +16,8 @@ Reference path (here): a loop over the K offsets (never over points): per offset
 element-wise maximum and a write back (the output rows of one offset are distinct, so the
 writes never conflict), then the comparison for the gradient; deterministic.
 
-Native part (csrc/sparse/sparse_maxpool_musa.mu; compiled, not yet run on a GPU:
-`unverified`): `sparse_maxpool_forward` / `_backward`, one launch per offset over the rule book
+Native part (csrc/sparse/sparse_maxpool_musa.mu; GPU suite passed on an
+H200, sanitizers pending: `unverified`): `sparse_maxpool_forward` / `_backward`, one launch per offset over the rule book
 (the output rows of an offset are distinct: no atomics); the backward recomputes the maximum.
 """
 

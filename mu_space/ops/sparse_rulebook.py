@@ -10,8 +10,8 @@ computes every output site an input reaches, takes the sorted unique keys as the
 offset are compacted in ascending input row (a cumulative sum). Vectorised over points and
 offsets; no Python loop over points.
 
-Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_rulebook_musa.mu; compiled,
-not yet run on a GPU: `unverified`): a GPU hash table of the input keys (SubM lookups) or of the
+Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_rulebook_musa.mu; GPU
+suite passed on an H200, sanitizers pending: `unverified`): a GPU hash table of the input keys (SubM lookups) or of the
 sorted unique output keys (strided / transposed: candidates -> torch.sort -> unique), then a
 stable per-offset compaction by one exclusive scan: the same layout and order, so the native and
 reference rule books are equal element by element. One host synchronisation (the error flags,

@@ -64,7 +64,7 @@ def operator_matrix_markdown() -> str:
         models = f"{op.models} ({adoption})" if adoption else op.models
         entries = ", ".join(f"`{e}`" for e in op.entry_points)
         if op.unverified:
-            entries += f" (not yet verified on a GPU: {op.unverified})"
+            entries += f" (`auto` takes the reference until verified: {op.unverified})"
         lines.append(
             f"| `{op.name}` | {op.family} | {_dtype_names(op.native_dtypes)} | {entries} | "
             f"{backward_kind(op)} | {op.upstream} | {models} | {doc} |"
