@@ -179,6 +179,8 @@ stage_bench() {
   if [ "${SPCONV:-0}" = 1 ]; then
     # shellcheck disable=SC2046
     python3 -m benchmarks._spconv_peer $(results sparse_conv) | tee "$OUT/spconv_ratios.md"
+    timeout 120 python3 -m benchmarks.profile_sparse_encoder --out "$OUT" \
+      >"$OUT/profile_sparse_encoder.md" 2>&1 || status=1  # where the encoder's time goes
   else
     # shellcheck disable=SC2046
     python3 -m benchmarks._voxel_peer $(results voxelization dynamic_scatter) \

@@ -145,3 +145,32 @@ def test_spconv_ratio_table(tmp_path):
     table = _spconv_peer.table([str(path)])
     assert "| a | 60.0 | 100.0 | 0.60x | met | met |" in table
     assert "| b | 120.0 | 100.0 | 1.20x | MISSED | no |" in table
+
+
+def test_time_breakdown_categories_and_smoke_run(tmp_path):
+    """benchmarks/profile_sparse_encoder.py: kernel names land in the right category, and the
+    smoke run (CPU: the reference's aten ops) writes a breakdown whose shares add up."""
+    import json
+
+    from benchmarks import profile_sparse_encoder as prof
+
+    names = {
+        "void muspace::sparse::(anonymous namespace)::gather_kernel<float>(...)": "gather",
+        "void muspace::sparse::(anonymous namespace)::pair_emit_kernel(...)": "rule book",
+        "void muspace::sparse::(anonymous namespace)::pair_counts_kernel(...)": "pair counts",
+        "sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x32": "GEMM",
+        "void muspace::sparse::(anonymous namespace)::scatter_kernel<float>(...)": "scatter",
+        "void at::native::batch_norm_collect_statistics_kernel<float>(...)": "BatchNorm",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::relu>(...)": "other",
+        "aten::index_add_": "scatter",
+        "aten::mm": "GEMM",
+    }
+    assert {n: prof.category(n) for n in names} == names
+    assert (
+        prof.main(["--smoke", "--steps", "1", "--direction", "forward", "--out", str(tmp_path)])
+        == 0
+    )
+    (res,) = json.loads((tmp_path / "profile_sparse_encoder.json").read_text())
+    total = sum(res["us_per_step_by_category"].values())
+    assert total > 0 and res["backend"] in ("reference", "native")
+    assert {"gather", "GEMM"} <= set(res["us_per_step_by_category"])

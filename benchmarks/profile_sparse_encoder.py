@@ -1,0 +1,157 @@
+"""Where the time of the CenterPoint-0.075 SparseEncoder goes: rule book vs gather vs GEMM vs
+scatter vs the rest (BatchNorm, ReLU, copies), from the device kernels torch.profiler records
+(CUPTI) over a few steps, grouped by kernel name.
+
+    python -m benchmarks.profile_sparse_encoder [--steps 5] [--dtype float32|float16]
+        [--direction forward|forward+backward] [--out DIR] [--smoke]
+
+On the GPU it profiles the native backend on the benchmark's frame (bench_sparse_conv.frame:
+~120k voxels of a synthetic 10-sweep nuScenes-like cloud, `[41, 1440, 1440]`). --smoke: the small
+frame, and on a machine without a GPU the reference backend's CPU operators (the categories then
+group aten ops: the mechanics only, not a measurement). For per-kernel metrics (bandwidth,
+occupancy) run the top kernels under Nsight Compute:
+
+    ncu --set detailed -k regex:"gather_kernel|scatter_kernel|pair_" --launch-count 20 \
+        python3 -m benchmarks.profile_sparse_encoder --steps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks import bench_sparse_conv, harness
+
+# first match wins; device kernels (demangled names) and, for --smoke on the CPU, aten ops
+CATEGORIES = (
+    (
+        "rule book",
+        r"candidates_kernel|decode_kernel|insert_keys_kernel|insert_rows_kernel|"
+        r"pair_count_kernel|pair_emit_kernel|pair_lookup_kernel|run_emit_kernel|run_flags_kernel|"
+        r"RadixSort|radix_sort|aten::sort|aten::unique|aten::searchsorted",
+    ),
+    ("pair counts", r"pair_counts_kernel|pair_rows_kernel"),
+    ("gather", r"gather_kernel|aten::index_select|aten::index\b"),
+    ("GEMM", r"gemm|xmma|cutlass|cublas|nvjet|sm90_|aten::mm\b|aten::addmm"),
+    ("scatter", r"scatter_kernel|aten::index_add"),
+    ("max pool", r"pool_offset_kernel|pool_grad_offset_kernel|pool_unreached_kernel"),
+    ("BatchNorm", r"batch_norm|batchnorm|bn_fw|bn_bw|welford"),
+)
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def _device_us(evt) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(evt, attr):
+            return float(getattr(evt, attr))
+    return 0.0
+
+
+def profile(steps: int, dtype: torch.dtype, direction: str, smoke: bool) -> dict:
+    on_gpu = torch.cuda.is_available()
+    backend = "native" if on_gpu else "reference"
+    r = bench_sparse_conv.recipe()
+    feats, coors, shape = bench_sparse_conv.frame(smoke)
+    cfg = dict(r.ENCODERS["centerpoint-0075-nus"], sparse_shape=shape)
+    torch.manual_seed(0)
+    net = r.SparseEncoder(cfg, 1, backend).to(feats.device, dtype)
+    x = feats.to(dtype)
+
+    def step():
+        if direction == "forward":
+            with torch.no_grad():
+                net.eval()(x, coors)
+            return
+        net.train()
+        leaf = x.detach().requires_grad_(True)
+        out = net(leaf, coors)["spatial_features"]
+        torch.autograd.grad(out, [leaf, *net.parameters()], torch.ones_like(out))
+
+    for _ in range(2):  # warm-up: cuBLAS handles, allocator, lazy module state
+        step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if on_gpu:  # the device's own events: kernels, memsets, copies
+            if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            us = _device_us(evt)
+        else:
+            if not evt.key.startswith("aten::"):
+                continue
+            us = float(evt.self_cpu_time_total)
+        totals[category(evt.key)] = totals.get(category(evt.key), 0.0) + us / steps
+        kernels[evt.key] = kernels.get(evt.key, 0.0) + us / steps
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu (aten ops, not a measurement)",
+        "backend": backend,
+        "dtype": harness.dtype_name(dtype),
+        "direction": direction,
+        "voxels": int(feats.shape[0]),
+        "sparse_shape": list(shape),
+        "steps": steps,
+        "us_per_step_by_category": dict(sorted(totals.items(), key=lambda kv: -kv[1])),
+        "top_kernels_us_per_step": [{"name": k[:160], "us": v} for k, v in top],
+    }
+
+
+def table(result: dict) -> str:
+    total = sum(result["us_per_step_by_category"].values()) or 1.0
+    lines = [
+        f"{result['direction']} {result['dtype']} on {result['device']} ({result['backend']}, "
+        f"{result['voxels']} voxels): {total:.1f} us per step",
+        "| category | us per step | share |",
+        "|---|---|---|",
+    ]
+    for label, us in result["us_per_step_by_category"].items():
+        lines.append(f"| {label} | {us:.1f} | {100 * us / total:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--dtype", choices=("float32", "float16"), default=None)
+    parser.add_argument("--direction", choices=("forward", "forward+backward"), default=None)
+    parser.add_argument("--out", type=Path, help="write profile_sparse_encoder.json there")
+    parser.add_argument("--smoke", action="store_true", help="the small frame (CPU: mechanics)")
+    args = parser.parse_args(argv)
+    dtypes = [args.dtype] if args.dtype else ["float32", "float16"]
+    directions = [args.direction] if args.direction else ["forward", "forward+backward"]
+    if not torch.cuda.is_available():
+        dtypes = ["float32"]  # the CPU reference: float16 matmuls there are not the point
+    results = []
+    for dt in dtypes:
+        for direction in directions:
+            res = profile(args.steps, getattr(torch, dt), direction, args.smoke)
+            results.append(res)
+            print(table(res), end="\n\n")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile_sparse_encoder.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
