@@ -7,8 +7,9 @@ Workloads (realistic inputs, as in the benchmarks): bev_pool_v2 forward (bevdet-
 float16, bevdet-r50-d88 float32) and default backward (bevdet-r50 float32; backwards run through
 autograd on a graph built before the range), bev_pool_prepare
 (bevdet-r50), bev_pool (bevfusion-cam float32), multi_scale_deformable_attn forward and backward
-(deformable-detr and bevformer-base-tsa, float32). Each is warmed up first, so only the timed
-call's kernels fall inside the range. ncu flushes caches between kernel replays by default
+(deformable-detr and bevformer-base-tsa, float32), and the voxel family (voxel_workloads:
+dynamic_scatter, voxelization, pillar_scatter). Each is warmed up first, so only the timed call's
+kernels fall inside the range. ncu flushes caches between kernel replays by default
 (cold L2, as the benchmarks).
 """
 
@@ -19,6 +20,8 @@ import re
 import sys
 
 import torch
+
+from mu_space.testing import lidar
 
 
 def workloads():
@@ -65,6 +68,42 @@ def workloads():
         )()
         yield f"msda-fwd-{cfg}", lambda m=m: multi_scale_deformable_attn(*m)
         yield f"msda-bwd-{cfg}", lambda g=graph: harness.autograd_backward(*g)
+    yield from voxel_workloads(dev)
+
+
+def voxel_workloads(dev):
+    """The voxel family at its issue-10 target shapes: dynamic_scatter forward (voxel_group's
+    launch sequence + segment_reduce) and C = 64 backward, hard voxelization, pillar_scatter."""
+    from benchmarks import bench_dynamic_scatter, bench_pillar_scatter, bench_voxelization, harness
+    from mu_space.ops.dynamic_scatter import dynamic_scatter
+    from mu_space.ops.pillar_scatter import pillar_scatter
+    from mu_space.ops.voxelization import voxelization
+
+    for c in (5, 64):
+        f, co = bench_dynamic_scatter.inputs("centerpoint-0075-nus", c, torch.float32)
+        yield (
+            f"dynamic_scatter-fwd-c{c}-mean",
+            lambda f=f, co=co: dynamic_scatter(f, co, "mean", backend="native"),
+        )
+    f, co = bench_dynamic_scatter.inputs("centerpoint-0075-nus", 64, torch.float32)
+    for r in ("mean", "max"):
+        leaf = f.detach().requires_grad_(True)
+        out = dynamic_scatter(leaf, co, r, backend="native")[0]
+        graph = (out, (leaf,), torch.randn_like(out))
+        yield f"dynamic_scatter-bwd-c64-{r}", lambda g=graph: harness.autograd_backward(*g)
+    for layer in ("centerpoint-0075-nus", "pointpillars-kitti"):
+        vs, pcr, P, V = bench_voxelization._layer(layer)
+        pts = bench_voxelization._points(lidar.VOXEL_CONFIGS[layer].cloud, torch.float32)
+        yield (
+            f"voxelization-{layer}",
+            lambda a=(pts, vs, pcr, P, V): voxelization(*a, backend="native"),
+        )
+    for dt in (torch.float32, torch.float16):
+        f, co, (ny, nx) = bench_pillar_scatter.inputs("pointpillars-kitti", 1, dt)
+        yield (
+            f"pillar_scatter-fwd-{dt}",
+            lambda a=(f, co, 1, (ny, nx)): pillar_scatter(*a, backend="native"),
+        )
 
 
 def main(argv=None) -> int:

@@ -207,9 +207,11 @@ __global__ void __launch_bounds__(kBlock)
                           const int* __restrict__ order, int k, const int* __restrict__ starts,
                           const int* __restrict__ counts, int m, int reduce, T* __restrict__ out) {
   const int64_t total = static_cast<int64_t>(m) * channels;
-  for (int64_t e = global_thread(); e < total; e += global_threads()) {
-    const int v = static_cast<int>(e / channels);
-    const int c = static_cast<int>(e - static_cast<int64_t>(v) * channels);
+  if (channels <= 0) return;
+  RowCol rc(global_thread(), global_threads(), channels);
+  for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
+    const int v = static_cast<int>(rc.row);
+    const int c = rc.col;
     int s, end;
     voxel_range(starts, counts, v, k, s, end);
     float acc = reduce == kMax ? negative_infinity() : 0.0f;
@@ -234,9 +236,11 @@ __global__ void __launch_bounds__(kBlock)
                              const int* __restrict__ counts, const int* __restrict__ point2voxel,
                              int m, int reduce, T* __restrict__ grad) {
   const int64_t total = static_cast<int64_t>(n) * channels;
-  for (int64_t e = global_thread(); e < total; e += global_threads()) {
-    const int i = static_cast<int>(e / channels);
-    const int c = static_cast<int>(e - static_cast<int64_t>(i) * channels);
+  if (channels <= 0) return;
+  RowCol rc(global_thread(), global_threads(), channels);
+  for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
+    const int i = static_cast<int>(rc.row);
+    const int c = rc.col;
     const int v = point2voxel[i];
     float g = 0.0f;
     if (static_cast<unsigned>(v) < static_cast<unsigned>(m)) {
@@ -254,9 +258,11 @@ __global__ void __launch_bounds__(kBlock)
                             const int* __restrict__ starts, const int* __restrict__ counts, int m,
                             T* __restrict__ grad) {
   const int64_t total = static_cast<int64_t>(m) * channels;
-  for (int64_t e = global_thread(); e < total; e += global_threads()) {
-    const int v = static_cast<int>(e / channels);
-    const int c = static_cast<int>(e - static_cast<int64_t>(v) * channels);
+  if (channels <= 0) return;
+  RowCol rc(global_thread(), global_threads(), channels);
+  for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
+    const int v = static_cast<int>(rc.row);
+    const int c = rc.col;
     int s, end;
     voxel_range(starts, counts, v, k, s, end);
     float best = negative_infinity();

@@ -51,20 +51,43 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-template <typename W>
+// Two neighbouring cells' elements as one store (the element at the lower address in the low
+// half): half the store instructions; 16-bit canvases were instruction bound with 2-byte stores.
+__device__ __forceinline__ uint32_t pair_of(uint16_t lo, uint16_t hi) {
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+__device__ __forceinline__ uint2 pair_of(uint32_t lo, uint32_t hi) { return make_uint2(lo, hi); }
+
+// K = 1: a thread per cell. K = 2 (the launcher checks plane even and the canvas aligned to 2
+// elements): a thread per pair of cells (2q, 2q + 1) of one plane row, one store per channel.
+template <typename W, int K>
 __global__ void __launch_bounds__(kBlock)
     canvas_kernel(const W* __restrict__ feats, int m, int channels,
                   const int* __restrict__ cell_map, int batch, int64_t plane,
                   W* __restrict__ canvas) {
-  const int64_t cells = static_cast<int64_t>(batch) * plane;
-  for (int64_t cell = global_thread(); cell < cells; cell += global_threads()) {
-    const int64_t b = cell / plane;
-    const int64_t yx = cell - b * plane;
-    const int p = cell_map[cell];
-    const bool has = static_cast<unsigned>(p) < static_cast<unsigned>(m);
-    const W* src = feats + static_cast<int64_t>(has ? p : 0) * channels;
-    W* dst = canvas + b * channels * plane + yx;
-    for (int c = 0; c < channels; ++c) dst[c * plane] = has ? src[c] : W(0);
+  const int64_t groups = static_cast<int64_t>(batch) * (plane / K);
+  RowCol rc(global_thread(), global_threads(), static_cast<int>(plane / K));  // (b, yx / K)
+  for (int64_t g = global_thread(); g < groups; g += global_threads(), rc.next()) {
+    const int64_t cell = g * K;
+    const int64_t yx = static_cast<int64_t>(rc.col) * K;
+    W* dst = canvas + rc.row * channels * plane + yx;
+    if constexpr (K == 1) {
+      const int p = cell_map[cell];
+      const bool has = static_cast<unsigned>(p) < static_cast<unsigned>(m);
+      const W* src = feats + static_cast<int64_t>(has ? p : 0) * channels;
+      for (int c = 0; c < channels; ++c) dst[c * plane] = has ? src[c] : W(0);
+    } else {
+      const int p0 = cell_map[cell], p1 = cell_map[cell + 1];
+      const bool has0 = static_cast<unsigned>(p0) < static_cast<unsigned>(m);
+      const bool has1 = static_cast<unsigned>(p1) < static_cast<unsigned>(m);
+      const W* src0 = feats + static_cast<int64_t>(has0 ? p0 : 0) * channels;
+      const W* src1 = feats + static_cast<int64_t>(has1 ? p1 : 0) * channels;
+      using Pair = decltype(pair_of(W(0), W(0)));
+      for (int c = 0; c < channels; ++c) {
+        *reinterpret_cast<Pair*>(dst + c * plane) =
+            pair_of(has0 ? src0[c] : W(0), has1 ? src1[c] : W(0));
+      }
+    }
   }
 }
 
@@ -75,9 +98,11 @@ __global__ void __launch_bounds__(kBlock)
                        W* __restrict__ grad) {
   const int64_t plane = static_cast<int64_t>(ny) * nx;
   const int64_t total = static_cast<int64_t>(m) * channels;
-  for (int64_t e = global_thread(); e < total; e += global_threads()) {
-    const int64_t i = e / channels;
-    const int c = static_cast<int>(e - i * channels);
+  if (channels <= 0) return;
+  RowCol rc(global_thread(), global_threads(), channels);
+  for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
+    const int64_t i = rc.row;
+    const int c = rc.col;
     const int64_t cell = pillar_cell(coors, i, batch, ny, nx);
     W g = W(0);
     if (cell >= 0 && cell_map[cell] == static_cast<int>(i)) {
@@ -153,14 +178,23 @@ void forward(TensorView feats, TensorView coors, TensorView cell_map, TensorView
   const gpuStream_t st = as_stream(stream);
   fill_map(coors, k, cell_map, device_id, st);
   const int64_t plane = static_cast<int64_t>(k.ny) * k.nx;
+  const int elem = element_bytes(feats);
+  // pairs of cells: every pair inside one plane row, every pair store aligned
+  const bool pairs = plane % 2 == 0 && is_aligned(canvas, 2 * elem);
   auto launch = [&](auto word_tag) {
     using W = decltype(word_tag);
-    canvas_kernel<W><<<blocks_for(k.batch * plane, device_id), kBlock, 0, st>>>(
-        data_of<const W>(feats), static_cast<int>(k.m), static_cast<int>(k.channels),
-        data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
+    if (pairs) {
+      canvas_kernel<W, 2><<<blocks_for(k.batch * plane / 2, device_id), kBlock, 0, st>>>(
+          data_of<const W>(feats), static_cast<int>(k.m), static_cast<int>(k.channels),
+          data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
+    } else {
+      canvas_kernel<W, 1><<<blocks_for(k.batch * plane, device_id), kBlock, 0, st>>>(
+          data_of<const W>(feats), static_cast<int>(k.m), static_cast<int>(k.channels),
+          data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
+    }
     check_launch("pillar canvas_kernel");
   };
-  if (element_bytes(feats) == 4) {
+  if (elem == 4) {
     launch(uint32_t{});
   } else {
     launch(uint16_t{});

@@ -172,9 +172,11 @@ __global__ void __launch_bounds__(kBlock)
                 int* __restrict__ coors, int* __restrict__ num) {
   const int64_t m = counts[0];
   const int64_t total = static_cast<int64_t>(rows) * max_points;
-  for (int64_t e = global_thread(); e < total; e += global_threads()) {
-    const int row = static_cast<int>(e / max_points);
-    const int slot = static_cast<int>(e - static_cast<int64_t>(row) * max_points);
+  if (max_points <= 0) return;
+  RowCol rc(global_thread(), global_threads(), max_points);
+  for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
+    const int row = static_cast<int>(rc.row);
+    const int slot = rc.col;
     W* dst = voxels + e * features;
     if (row >= m) {
       if (!padded) continue;

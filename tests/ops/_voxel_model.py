@@ -25,6 +25,44 @@ def radix_plan(total_bits: int, max_digit_bits: int):
     return passes, bits, total_bits
 
 
+def bitonic_sort_tile(c: np.ndarray) -> np.ndarray:
+    """voxel_sort.muh's bitonic_sort_tile: the network with the pair index of each stage by
+    shifts and masks, i = ((q >> log_stride) << (log_stride + 1)) | (q & (stride - 1)); the
+    pairs of a stage are disjoint, so applying a stage to all pairs at once is exact."""
+    c = np.array(c, dtype=np.int64)
+    tile = c.size
+    log_tile = tile.bit_length() - 1
+    assert 1 << log_tile == tile, "tiles are a power of two"
+    q = np.arange(tile // 2)
+    for log_size in range(1, log_tile + 1):
+        size = 1 << log_size
+        for log_stride in range(log_size - 1, -1, -1):
+            stride = 1 << log_stride
+            i = ((q >> log_stride) << (log_stride + 1)) | (q & (stride - 1))
+            j = i + stride
+            ascending = (i & size) == 0
+            a, b = c[i], c[j]
+            swap = (a > b) == ascending
+            c[i], c[j] = np.where(swap, b, a), np.where(swap, a, b)
+    return c
+
+
+def rowcol_walk(total: int, cols: int, threads: int) -> np.ndarray:
+    """voxel_grid.muh's RowCol over a grid-stride loop of `threads` threads: the (row, col) each
+    thread holds at each of its elements e (one division per thread, then quotient and
+    remainder steps), as [total, 2] indexed by e."""
+    out = np.full((total, 2), -1, dtype=np.int64)
+    drow, dcol = divmod(threads, cols)
+    for t in range(min(threads, total)):
+        row, col = divmod(t, cols)
+        for e in range(t, total, threads):
+            out[e] = (row, col)
+            row, col = row + drow, col + dcol
+            if col >= cols:
+                col, row = col - cols, row + 1
+    return out
+
+
 def radix_pass(keys, vals, shift, bits, tile):
     n = keys.size
     n_tiles = (n + tile - 1) // tile
@@ -43,8 +81,11 @@ def radix_pass(keys, vals, shift, bits, tile):
         d = digit[lo:hi]
         j = np.arange(hi - lo)
         comp = (d << 20) | j  # the kernel packs (digit << kTileBits) | j; sorting is the same
+        # kNoItem pads the tile (to a power of two here; the kernel's kTile is one)
+        pad = np.full((1 << (tile - 1).bit_length()) - (hi - lo), np.iinfo(np.int64).max)
+        srt = bitonic_sort_tile(np.concatenate([comp, pad]))[: hi - lo]
         p_of = np.empty(hi - lo, dtype=np.int64)
-        p_of[np.argsort(comp, kind="stable")] = np.arange(hi - lo)  # sorted position of item j
+        p_of[srt & ((1 << 20) - 1)] = np.arange(hi - lo)  # sorted position of item j
         counts = np.bincount(d, minlength=buckets)
         start = np.cumsum(counts) - counts  # s_start: exclusive per digit
         rank = p_of - start[d]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -386,6 +387,27 @@ def test_kernel_model_radix_sort_is_stable():
         k, idx = model.radix_sort(keys.numpy(), 13, tile=tile, digit_bits=bits)
         order = torch.sort(keys, stable=True).indices.numpy()
         assert (idx == order).all() and (k == keys.numpy()[order]).all()
+
+
+def test_kernel_model_bitonic_network_sorts():
+    """bitonic_sort_tile's shift-and-mask pair indices give a sorting network (kTile = 1024
+    and smaller powers of two; duplicates and the kNoItem padding included)."""
+    g = np.random.default_rng(3)
+    for tile in (2, 8, 64, 1024):
+        for _ in range(3):
+            c = g.integers(0, 50, tile)
+            c[g.random(tile) < 0.2] = np.iinfo(np.int64).max
+            assert (model.bitonic_sort_tile(c) == np.sort(c)).all()
+
+
+@pytest.mark.parametrize("cols", [1, 3, 5, 10, 32, 64, 999])
+def test_kernel_model_rowcol_walk_is_divmod(cols):
+    """RowCol (the emit and segment kernels' division-free (row, col)) visits every flat index
+    of a grid-stride loop with e's own divmod, for strides below, at and above cols."""
+    for threads in (1, 7, cols, 256, 1056 * 256 % 4099 + 1):
+        total = 3 * max(threads, cols) + 5
+        want = np.stack(np.divmod(np.arange(total), cols), axis=1)
+        assert (model.rowcol_walk(total, cols, threads) == want).all()
 
 
 # ---------------------------------------------------------------- native (GPU)
