@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import platform
@@ -444,6 +445,10 @@ def _environment(device) -> dict:
     return env
 
 
+def _save(out: Path, model: str, result: dict) -> None:
+    (out / f"{model}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
 def _median(values):
     return statistics.median(values) if values else math.nan
 
@@ -557,6 +562,9 @@ def main(argv: list[str] | None = None, model: str | None = None) -> int:
         flush=True,
     )
     m3d.setup(a)
+    from mmengine.logging import MMLogger
+
+    MMLogger.get_current_instance().setLevel(logging.WARNING)  # init_weights' per-layer lines
     net, cfg = m3d.build(args.model, seed=args.seed, nms_pre=100 if args.smoke else 0)
     net = net.to(dev)
     state = {k: v.detach().clone() for k, v in net.state_dict().items()}
@@ -585,6 +593,15 @@ def main(argv: list[str] | None = None, model: str | None = None) -> int:
         v for d in run_a["dispatch"].values() for k, v in d.items() if not k.startswith("reference")
     )
     del run_a2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    partial = {"model": args.model, "complete": False, "backend": a, "baseline": b}
+    partial["compare"] = {
+        "vs_baseline": vs,
+        "repeat": repeat,
+        "dispatch_backend": run_a["dispatch"],
+    }
+    _save(out, args.model, partial)  # a run cut short by a time limit keeps what it measured
 
     # 2. train with the muSPACE backend
     if dev.type == "cuda":
@@ -595,6 +612,8 @@ def main(argv: list[str] | None = None, model: str | None = None) -> int:
         peak[a] = torch.cuda.max_memory_allocated(dev) / 2**30
     trained = {k: v.detach().clone() for k, v in net.state_dict().items()}
     falls, ratio = _falls(losses)
+    partial["train"] = {"losses": losses, "steps_ms": step_ms, "falls": falls, "ratio": ratio}
+    _save(out, args.model, partial)
     print(
         f"[{time.perf_counter() - t0:6.1f} s] train: {losses[0]:.4f} -> {losses[-1]:.4f} "
         f"(ratio {ratio:.3f}) {'falls' if falls else 'DOES NOT FALL'}; step "
@@ -677,13 +696,12 @@ def main(argv: list[str] | None = None, model: str | None = None) -> int:
         },
         "timing": timing,
         "predict_compare": compare_predictions(pred_a, pred_b),
+        "complete": True,
         "ok": not problems,
         "problems": problems,
         "seconds": time.perf_counter() - t0,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.model}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    _save(out, args.model, result)
     (out / f"{args.model}.md").write_text(markdown(result))
     print(markdown(result))
     print(f"wrote {out / args.model}.json and .md; {'PASS' if result['ok'] else 'FAIL'}")
