@@ -28,6 +28,11 @@ OUT=${OUT:-$PWD/gpu-out/mmdet3d}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/session.log") 2>&1
 tee_pid=$!
+finish() { # session.log complete before the call returns
+  exec >&- 2>&-
+  wait "$tee_pid"
+}
+trap finish EXIT
 export PYTHONUNBUFFERED=1 MUSPACE_TRY_UNVERIFIED=${MUSPACE_TRY_UNVERIFIED-1}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} CUDA_ARCH=${CUDA_ARCH:-90a}
 BUDGET=${BUDGET:-450}
@@ -62,7 +67,7 @@ run_model() { # run_model NAME LIMIT_S
   echo "== $name (limit $limit s)"
   # shellcheck disable=SC2086
   timeout --signal=TERM --kill-after=10 "$limit" python3 model_examples/_mmdet3d_run.py \
-    --model "$name" --out "$OUT" ${RUN_ARGS:-}
+    --model "$name" --out "$OUT" --frame-cache /tmp/mmdet3d-frames ${RUN_ARGS:-}
   rc=$?
   [ "$rc" -eq 124 ] && echo "   $name: cut at its $limit s limit (partial JSON in $OUT)"
   [ "$rc" -eq 0 ] || { echo "   $name: exit $rc"; status=1; }
@@ -73,6 +78,4 @@ cp_limit=$((BUDGET - ($(date +%s) - start)))
 run_model centerpoint $((cp_limit > 60 ? cp_limit : 60))
 ls -la "$OUT"
 echo "mmdet3d_gpu_session: exit $status in $(($(date +%s) - start)) s (files in $OUT)"
-exec >&- 2>&-
-wait "$tee_pid" # session.log complete before the call returns
 exit "$status"

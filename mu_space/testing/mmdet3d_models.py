@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from pathlib import Path
 
 import torch
@@ -110,14 +111,31 @@ def build(model: str | ModelSpec, seed: int = 0, score_thr: float = 0.0, nms_pre
     return net, cfg
 
 
-def frame(cloud: str, features: int, seed: int = 0):
+def _cloud(cfg, cache: Path | None) -> torch.Tensor:
+    """lidar.make(cfg), through a file in `cache` when given: a 10-sweep frame takes seconds of
+    ray casting on the CPU, and the two models' processes use the same frames."""
+    if cache is None:
+        return lidar.make(cfg)
+    path = Path(cache) / f"{cfg.name}-seed{cfg.seed}.pt"
+    if path.exists():
+        return torch.load(path)
+    cloud = lidar.make(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(cloud, tmp)
+    os.replace(tmp, path)
+    return cloud
+
+
+def frame(cloud: str, features: int, seed: int = 0, cache: Path | None = None):
     """(points [N, features], Det3DDataSample with the scene's cars and pedestrians as ground
-    truth: 9-value nuScenes boxes, z at the bottom, in the sensor frame)."""
+    truth: 9-value nuScenes boxes, z at the bottom, in the sensor frame). `cache`: a folder
+    keeping the generated clouds between processes."""
     from mmdet3d.structures import Det3DDataSample, LiDARInstance3DBoxes
     from mmengine.structures import InstanceData
 
     cfg = dataclasses.replace(lidar.CLOUDS[cloud], seed=seed)
-    points = lidar.make(cfg)[:, :features].clone()
+    points = _cloud(cfg, cache)[:, :features].clone()
     scene = lidar._scene(cfg).boxes.float()
     height = lidar.RIGS[cfg.rig].height
     objects = scene[(scene[:, 3] < 6) & (scene[:, 5] < 2.5) & (scene[:, :2].abs() < 45).all(1)]
@@ -134,14 +152,16 @@ def frame(cloud: str, features: int, seed: int = 0):
     return points, sample
 
 
-def batch(model: str | ModelSpec, cloud: str, frames: int = 1, device=None) -> dict:
+def batch(
+    model: str | ModelSpec, cloud: str, frames: int = 1, device=None, cache: Path | None = None
+) -> dict:
     """The data dict a dataloader gives the model's data preprocessor: `frames` frames of
     `cloud` (seeds 0..frames-1, different scenes), on `device` when given (the preprocessor
-    then has nothing to copy)."""
+    then has nothing to copy); `cache` as for `frame`."""
     spec = _spec(model)
     points, samples = [], []
     for seed in range(frames):
-        p, s = frame(cloud, spec.features, seed)
+        p, s = frame(cloud, spec.features, seed, cache)
         if device is not None:
             p, s = p.to(device), s.to(device)
         points.append(p)

@@ -49,7 +49,9 @@ def _needs_mmdet3d():
 
 def _smoke(runner, model, tmp_path):
     _needs_mmdet3d()
-    status = runner.main(["--model", model, "--smoke", "--device", "cpu", "--out", str(tmp_path)])
+    argv = ["--model", model, "--smoke", "--device", "cpu", "--out", str(tmp_path)]
+    status = runner.main(argv + ["--frame-cache", str(tmp_path / "frames")])
+    assert [p.name for p in (tmp_path / "frames").iterdir()] == ["nus-1sweep-seed0.pt"]
     result = json.loads((tmp_path / f"{model}.json").read_text())
     table = (tmp_path / f"{model}.md").read_text()
     assert status == 0, result["problems"]
@@ -139,3 +141,16 @@ def test_loss_falls_rule(runner):
     assert not runner._falls([3.0, float("nan"), 1.0])[0]
     falls, ratio = runner._falls([4.0] + [2.0] * 49)  # the mean of the last 5 over the first
     assert falls and ratio == 0.5
+
+
+def test_frame_cache_gives_the_same_frame(runner, tmp_path):
+    _needs_mmdet3d()
+    m3d.setup()  # mmdet3d.structures imports mmcv.ops (the runner fixture uninstalls it)
+    want, sample = m3d.frame("tiny", 4, seed=2)
+    for _ in range(2):  # written, then read
+        got, again = m3d.frame("tiny", 4, seed=2, cache=tmp_path)
+        assert torch.equal(got, want)
+        assert torch.equal(
+            again.gt_instances_3d.bboxes_3d.tensor, sample.gt_instances_3d.bboxes_3d.tensor
+        )
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-seed2.pt"]
