@@ -25,6 +25,9 @@ gradient goes to every input equal to the output. Where mmcv's GPU results depen
 timing (the pair order within an offset, strided-conv output order from its hash), these give
 the deterministic order of docs/operators/sparse_conv.md: pairs in ascending input row,
 outputs in ascending (b, z, y, x), which is the order mmcv's `unique` step produces too.
+
+Each function also takes a keyword-only `backend` (default "auto") for the muSPACE ops behind
+it; the mmcv._ext surrogate passes its own (`mu_space.compat.mmcv.install(backend=...)`).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from mu_space.ops.sparse_rulebook import sparse_rulebook
 
 def _get_indice_pairs(
     ndim, indices, batchSize, outSpatialShape, spatialShape, kernelSize, stride, padding,
-    dilation, outPadding, _subM, _transpose,
+    dilation, outPadding, _subM, _transpose, backend,
 ):  # fmt: skip
     got = _sparse.check_indices(indices)
     if got != ndim:
@@ -60,7 +63,7 @@ def _get_indice_pairs(
         stride, padding = [1] * ndim, [k // 2 for k in ksize]
     rb = sparse_rulebook(
         indices, batchSize, list(spatialShape), ksize, stride, padding, dilation, outPadding,
-        subm, transpose,
+        subm, transpose, backend=backend,
     )  # fmt: skip
     spatial = _sparse.spatial_shape_arg(spatialShape, ndim, "spatialShape")
     if subm:
@@ -86,21 +89,27 @@ def _get_indice_pairs(
 
 
 def get_indice_pairs_2d_forward(indices, batchSize, outSpatialShape, spatialShape, kernelSize,
-                                stride, padding, dilation, outPadding, _subM, _transpose):  # fmt: skip
+                                stride, padding, dilation, outPadding, _subM, _transpose, *,
+                                backend="auto"):  # fmt: skip
     return _get_indice_pairs(2, indices, batchSize, outSpatialShape, spatialShape, kernelSize,
-                             stride, padding, dilation, outPadding, _subM, _transpose)  # fmt: skip
+                             stride, padding, dilation, outPadding, _subM, _transpose,
+                             backend)  # fmt: skip
 
 
 def get_indice_pairs_3d_forward(indices, batchSize, outSpatialShape, spatialShape, kernelSize,
-                                stride, padding, dilation, outPadding, _subM, _transpose):  # fmt: skip
+                                stride, padding, dilation, outPadding, _subM, _transpose, *,
+                                backend="auto"):  # fmt: skip
     return _get_indice_pairs(3, indices, batchSize, outSpatialShape, spatialShape, kernelSize,
-                             stride, padding, dilation, outPadding, _subM, _transpose)  # fmt: skip
+                             stride, padding, dilation, outPadding, _subM, _transpose,
+                             backend)  # fmt: skip
 
 
 def get_indice_pairs_4d_forward(indices, batchSize, outSpatialShape, spatialShape, kernelSize,
-                                stride, padding, dilation, outPadding, _subM, _transpose):  # fmt: skip
+                                stride, padding, dilation, outPadding, _subM, _transpose, *,
+                                backend="auto"):  # fmt: skip
     return _get_indice_pairs(4, indices, batchSize, outSpatialShape, spatialShape, kernelSize,
-                             stride, padding, dilation, outPadding, _subM, _transpose)  # fmt: skip
+                             stride, padding, dilation, outPadding, _subM, _transpose,
+                             backend)  # fmt: skip
 
 
 def _check_grid(gridOut, batchSize, outSpatialShape):
@@ -116,18 +125,20 @@ def _check_grid(gridOut, batchSize, outSpatialShape):
 
 def get_indice_pairs_2d_backward(indices, gridOut, batchSize, outSpatialShape, spatialShape,
                                  kernelSize, stride, padding, dilation, outPadding, _subM,
-                                 _transpose):  # fmt: skip
+                                 _transpose, *, backend="auto"):  # fmt: skip
     _check_grid(gridOut, batchSize, outSpatialShape)
     return _get_indice_pairs(2, indices, batchSize, outSpatialShape, spatialShape, kernelSize,
-                             stride, padding, dilation, outPadding, _subM, _transpose)  # fmt: skip
+                             stride, padding, dilation, outPadding, _subM, _transpose,
+                             backend)  # fmt: skip
 
 
 def get_indice_pairs_3d_backward(indices, gridOut, batchSize, outSpatialShape, spatialShape,
                                  kernelSize, stride, padding, dilation, outPadding, _subM,
-                                 _transpose):  # fmt: skip
+                                 _transpose, *, backend="auto"):  # fmt: skip
     _check_grid(gridOut, batchSize, outSpatialShape)
     return _get_indice_pairs(3, indices, batchSize, outSpatialShape, spatialShape, kernelSize,
-                             stride, padding, dilation, outPadding, _subM, _transpose)  # fmt: skip
+                             stride, padding, dilation, outPadding, _subM, _transpose,
+                             backend)  # fmt: skip
 
 
 def _gemm_filters(filters, features, indicePairs):
@@ -141,16 +152,19 @@ def _gemm_filters(filters, features, indicePairs):
     return filters.reshape(-1, filters.shape[-2], filters.shape[-1])
 
 
-def indice_conv_forward(features, filters, indicePairs, indiceNum, numActOut, _inverse, _subM):
+def indice_conv_forward(
+    features, filters, indicePairs, indiceNum, numActOut, _inverse, _subM, *, backend="auto"
+):
     """mmcv `_ext.indice_conv_forward` -> Tensor[numActOut, C_out] (features' dtype)."""
     _sparse.as_bool(_subM, "_subM")  # SubM pairs are pairs: the same computation
     w = _gemm_filters(filters, features, indicePairs)
-    return sparse_conv(
-        features, w, indicePairs, indiceNum, numActOut, _sparse.as_bool(_inverse, "_inverse")
-    )
+    inverse = _sparse.as_bool(_inverse, "_inverse")
+    return sparse_conv(features, w, indicePairs, indiceNum, numActOut, inverse, backend=backend)
 
 
-def indice_conv_backward(features, filters, outGrad, indicePairs, indiceNum, _inverse, _subM):
+def indice_conv_backward(
+    features, filters, outGrad, indicePairs, indiceNum, _inverse, _subM, *, backend="auto"
+):
     """mmcv `_ext.indice_conv_backward` -> [input_grad, filters_grad] (through the op
     sparse_conv_backward)."""
     _sparse.as_bool(_subM, "_subM")
@@ -160,16 +174,18 @@ def indice_conv_backward(features, filters, outGrad, indicePairs, indiceNum, _in
     with torch.enable_grad():
         f = features.detach().requires_grad_(True)
         w = _gemm_filters(filters, features, indicePairs).detach().requires_grad_(True)
-        out = sparse_conv(f, w, indicePairs, indiceNum, outGrad.shape[0], inverse)
+        out = sparse_conv(f, w, indicePairs, indiceNum, outGrad.shape[0], inverse, backend=backend)
         g_f, g_w = torch.autograd.grad(out, (f, w), outGrad.to(out.dtype))
     return [g_f, g_w.reshape(filters.shape)]
 
 
 def fused_indice_conv_forward(features, filters, bias, indicePairs, indiceNum, numActOut,
-                              _inverse, _subM):  # fmt: skip
+                              _inverse, _subM, *, backend="auto"):  # fmt: skip
     """mmcv `_ext.fused_indice_conv_forward` (C++ fused_indice_conv_batchnorm_forward): the conv
     plus bias (a batch norm folded into filters and bias by the caller)."""
-    out = indice_conv_forward(features, filters, indicePairs, indiceNum, numActOut, _inverse, _subM)
+    out = indice_conv_forward(
+        features, filters, indicePairs, indiceNum, numActOut, _inverse, _subM, backend=backend
+    )
     return out + bias.to(out.dtype)
 
 
@@ -181,13 +197,18 @@ def _mmcv_pool_input(features):
     return torch.nan_to_num(features, nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
 
 
-def indice_maxpool_forward(features, indicePairs, indiceNum, numAct):
+def indice_maxpool_forward(features, indicePairs, indiceNum, numAct, *, backend="auto"):
     """mmcv `_ext.indice_maxpool_forward` -> Tensor[numAct, C]: max(0, max of the inputs),
     NaN inputs ignored (mmcv's zeroed buffer and `in > out` comparison)."""
-    return sparse_maxpool(_mmcv_pool_input(features), indicePairs, indiceNum, numAct).clamp(min=0)
+    pooled = sparse_maxpool(
+        _mmcv_pool_input(features), indicePairs, indiceNum, numAct, backend=backend
+    )
+    return pooled.clamp(min=0)
 
 
-def indice_maxpool_backward(features, outFeatures, outGrad, indicePairs, indiceNum):
+def indice_maxpool_backward(
+    features, outFeatures, outGrad, indicePairs, indiceNum, *, backend="auto"
+):
     """mmcv `_ext.indice_maxpool_backward` -> Tensor[N, C]: each output's gradient to every input
     equal to it (outFeatures must be indice_maxpool_forward's result for these features; the
     gradient goes through the op sparse_maxpool_backward)."""
@@ -195,7 +216,9 @@ def indice_maxpool_backward(features, outFeatures, outGrad, indicePairs, indiceN
         raise TypeError(f"outGrad must be a torch.Tensor, got {type(outGrad).__name__}")
     with torch.enable_grad():
         f = features.detach().requires_grad_(True)
-        out = sparse_maxpool(_mmcv_pool_input(f), indicePairs, indiceNum, outGrad.shape[0])
+        out = sparse_maxpool(
+            _mmcv_pool_input(f), indicePairs, indiceNum, outGrad.shape[0], backend=backend
+        )
         out = out.clamp(min=0)
         (g,) = torch.autograd.grad(out, f, outGrad.to(out.dtype))
     return g

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import os
 import subprocess
 import sys
@@ -72,6 +73,8 @@ def test_every_mmcv_name_with_mmcv_keyword_names(ext):
         "roiaware_pool3d_backward",
         "ms_deform_attn_forward",
         "ms_deform_attn_backward",
+        "sigmoid_focal_loss_forward",
+        "sigmoid_focal_loss_backward",
     ):
         assert name in compat.SERVED_NAMES, name
 
@@ -139,8 +142,8 @@ def test_bad_arguments(fake_mmcv):
 
 def test_not_served_raises_at_call_time_naming_the_op(ext):
     # attribute access (what load_ext checks) is fine; the call raises
-    fn = ext.sigmoid_focal_loss_forward
-    with pytest.raises(NotImplementedError, match="sigmoid_focal_loss_forward") as info:
+    fn = ext.softmax_focal_loss_forward
+    with pytest.raises(NotImplementedError, match="softmax_focal_loss_forward") as info:
         fn(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 2.0, 0.25)
     assert "docs/operator_matrix.md" in str(info.value)
     assert isinstance(info.value, compat.NotServedError)
@@ -155,6 +158,35 @@ def test_sparse_names_route_or_say_why(ext):
                 torch.zeros(0, 4, dtype=torch.int32), 1, [1, 1, 1], [1, 1, 1],
                 [3, 3, 3], [1, 1, 1], [1, 1, 1], [1, 1, 1], [0, 0, 0], 1, 0,
             )  # fmt: skip
+
+
+def test_sparse_names_take_the_surrogates_backend(ext):
+    """The sparse functions run their muSPACE ops with the surrogate's backend: "reference"
+    requested is recorded as such (on a GPU it is how the reference is forced)."""
+    from mu_space.runtime import kernel_dispatch
+
+    if _served.sparse_function("indice_conv_forward") is None:
+        pytest.skip("mu_space.sparse.mmcv_ext is not in this checkout")
+    idx = torch.tensor([[0, 1, 1, 1], [0, 1, 2, 1], [1, 0, 0, 0]], dtype=torch.int32)
+    feats = torch.randn(3, 2)
+    args = (idx, 2, [3, 3, 3], [3, 3, 3], [3, 3, 3], [1] * 3, [1] * 3, [1] * 3, [0] * 3, 1, 0)
+    for backend, want in (("reference", {"requested"}), ("auto", set())):
+        compat.install(backend=backend)
+        kernel_dispatch.reset()
+        _, pairs, num = ext.get_indice_pairs_3d_forward(*args)
+        ext.indice_conv_forward(feats, torch.randn(3, 3, 3, 2, 4), pairs, num, 3, 0, 1)
+        reasons = {
+            r["reason"]
+            for r in kernel_dispatch.records()
+            if r["op"] in ("sparse_rulebook", "sparse_conv")
+        }
+        ops = {r["op"] for r in kernel_dispatch.records()}
+        assert {"sparse_rulebook", "sparse_conv"} <= ops
+        if want:
+            assert reasons == want, kernel_dispatch.report()
+        else:  # auto on the CPU: the reference with the fallback's reason, not "requested"
+            assert reasons and "requested" not in reasons, kernel_dispatch.report()
+    compat.install(backend="auto")
 
 
 def test_keywords_and_report(ext):
@@ -422,6 +454,62 @@ def test_ms_deform_attn(ext):
     ext.ms_deform_attn_backward(*[a.detach() for a in args], grad_out, *bufs, 64)
     for buf, g in zip(bufs, grads):
         torch.testing.assert_close(buf, g)
+
+
+def _focal_autograd(x, target, gamma, alpha, weight=None):
+    """The sigmoid focal loss written out (binary cross-entropy with logits, modulated), the
+    gradient from autograd: an independent statement of mmcv's kernels for |x| < 80."""
+    x = x.detach().double().requires_grad_(True)
+    c = x.shape[1]
+    onehot = (target[:, None] == torch.arange(c)[None]).double()
+    p = torch.sigmoid(x)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(x, onehot, reduction="none")
+    pt = (1 - p) * onehot + p * (1 - onehot)
+    loss = bce * (alpha * onehot + (1 - alpha) * (1 - onehot)) * pt.pow(gamma)
+    if weight is not None:
+        loss = loss * weight.double()[target][:, None]
+    (grad,) = torch.autograd.grad(loss.sum(), x)
+    return loss.detach(), grad
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("gamma, alpha", [(2.0, 0.25), (1.5, 0.5), (0.0, 0.75)])
+def test_sigmoid_focal_loss(ext, gamma, alpha, weighted):
+    g = torch.Generator().manual_seed(5)
+    n, c = 300, 10
+    x = torch.randn(n, c, generator=g) * 6
+    x[0, :3] = torch.tensor([0.0, 40.0, -40.0])
+    target = torch.randint(0, c if weighted else c + 1, (n,), generator=g)  # c: background
+    target[:5] = torch.tensor([0, 1, 2, c - 1, 0 if weighted else c])
+    weight = torch.rand(c, generator=g) + 0.5 if weighted else torch.empty(0)
+    want, want_grad = _focal_autograd(x, target, gamma, alpha, weight if weighted else None)
+    out = torch.full_like(x, float("nan"))
+    grad = torch.full_like(x, float("nan"))
+    assert ext.sigmoid_focal_loss_forward(x, target, weight, out, gamma=gamma, alpha=alpha) is None
+    ext.sigmoid_focal_loss_backward(x, target, weight, grad, gamma, alpha)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=1e-5, atol=1e-6)
+    x64, out64 = x.double(), torch.zeros(n, c, dtype=torch.float64)
+    ext.sigmoid_focal_loss_forward(x64, target, weight.double(), out64, gamma, alpha)
+    torch.testing.assert_close(out64, want, rtol=1e-12, atol=1e-12)
+
+
+def test_sigmoid_focal_loss_floor_and_errors(ext):
+    """mmcv's kernels floor log p and log(1 - p) at log(FLT_MIN): a logit of -200 at the
+    target class costs alpha * 87.34, not alpha * 200."""
+    x = torch.tensor([[-200.0, 200.0]])
+    out = torch.zeros_like(x)
+    ext.sigmoid_focal_loss_forward(x, torch.tensor([0]), torch.empty(0), out, 0.0, 0.25)
+    floor = -math.log(torch.finfo(torch.float32).tiny)
+    torch.testing.assert_close(out, torch.tensor([[0.25 * floor, 0.75 * floor]]))
+    with pytest.raises(ValueError, match="target must be int64"):
+        ext.sigmoid_focal_loss_forward(x, torch.tensor([0], dtype=torch.int32), x[:0], out, 2, 0.25)
+    with pytest.raises(ValueError, match="<= 2"):
+        ext.sigmoid_focal_loss_forward(x, torch.tensor([3]), torch.empty(0), out, 2.0, 0.25)
+    with pytest.raises(ValueError, match="with a weight"):
+        ext.sigmoid_focal_loss_forward(x, torch.tensor([2]), torch.ones(2), out, 2.0, 0.25)
+    with pytest.raises(ValueError, match="buffer"):
+        ext.sigmoid_focal_loss_backward(x, torch.tensor([0]), torch.empty(0), out[:, :1], 2, 0.25)
 
 
 def test_reference_backend_is_the_same_on_cpu(ext):

@@ -157,3 +157,21 @@ def test_mmcv_msda_function(ops):
     ref = torch.autograd.grad(want, [args[0], args[3], args[4]], g)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
+
+
+def test_mmcv_sigmoid_focal_loss(ops):
+    """mmcv's SigmoidFocalLossFunction (what mmdet's FocalLoss calls for CUDA tensors) on the
+    surrogate: the mean loss and its gradient equal mmdet's pure-PyTorch formula's
+    (py_sigmoid_focal_loss, written out here: mmdet is not needed)."""
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(64, 10, generator=g, dtype=torch.float64) * 4).requires_grad_(True)
+    target = torch.randint(0, 11, (64,), generator=g)  # 10: background
+    loss = ops.sigmoid_focal_loss(x, target, 2.0, 0.25, None, "mean")
+    onehot = (target[:, None] == torch.arange(10)[None]).double()
+    p = x.sigmoid()
+    pt = (1 - p) * onehot + p * (1 - onehot)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(x, onehot, reduction="none")
+    want = (bce * (0.25 * onehot + 0.75 * (1 - onehot)) * pt.pow(2.0)).sum() / 64
+    torch.testing.assert_close(loss, want)
+    got, ref = torch.autograd.grad(loss, x)[0], torch.autograd.grad(want, x)[0]
+    torch.testing.assert_close(got, ref)

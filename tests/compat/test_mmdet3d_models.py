@@ -1,5 +1,6 @@
 """Real upstream models on muSPACE: mmdet3d 1.4's PointPillars (nuScenes, SECFPN) and CenterPoint
-(voxel 0.075, nuScenes), built from the configs shipped in the installed mmdet3d wheel, with
+(voxel 0.075, nuScenes), built from the configs shipped in the installed mmdet3d wheel
+(mu_space.testing.mmdet3d_models: the building is shared with model_examples/_mmdet3d_run.py), with
 mmcv-lite (no mmcv ops build) and muSPACE serving `mmcv._ext`. One synthetic spinning-LiDAR frame
 (mu_space.testing.lidar) with ground-truth boxes from its scene: loss forward + backward (every
 parameter gets a finite gradient) and predict. Every extension call the models make is checked
@@ -12,12 +13,10 @@ mu_space.sparse.mmcv_ext (the sparse convolution) and is skipped, saying so, unt
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import os
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,65 +24,27 @@ import torch
 import mu_space
 from mu_space.compat import mmcv as compat
 from mu_space.compat.mmcv import _served
-from mu_space.testing import lidar
+from mu_space.testing import mmdet3d_models as m3d
 
 pytest.importorskip("mmdet3d", reason="mmdet3d not installed: pip install -e '.[mmdet3d]'")
 if compat._hook.compiled_ext() is not None:  # pragma: no cover
     pytest.skip("a compiled mmcv._ext is installed (full mmcv)", allow_module_level=True)
 
-POINTPILLARS = "pointpillars/pointpillars_hv_secfpn_sbn-all_8xb4-2x_nus-3d.py"
-CENTERPOINT = "centerpoint/centerpoint_voxel0075_second_secfpn_8xb4-cyclic-20e_nus-3d.py"
 SPARSE_NEEDED = (
     "get_indice_pairs_3d_forward",
     "indice_conv_forward",
     "indice_conv_backward",
 )
-NUS_CLASSES = 10  # car = 0, pedestrian = 8
+NUS_CLASSES = m3d.NUS_CLASSES
 
 
 @pytest.fixture(scope="module")
 def upstream():
-    """The surrogate installed before mmcv.ops / mmdet3d.models are imported (the registry
-    modules are imported here, not through register_all_modules(), which also imports the
-    nuScenes / Lyft dataset SDKs the models do not need)."""
-    compat.install()
-    import mmdet3d.models  # noqa: F401  (registers the models; imports mmcv.ops)
-    from mmengine.registry import init_default_scope
-
-    init_default_scope("mmdet3d")
+    """The surrogate installed before mmcv.ops / mmdet3d.models are imported
+    (mu_space.testing.mmdet3d_models.setup)."""
+    m3d.setup()
     yield
     compat.uninstall()
-
-
-def _config(path: str):
-    import mmdet3d
-    from mmengine.config import Config
-
-    return Config.fromfile(str(Path(mmdet3d.__file__).parent / ".mim" / "configs" / path))
-
-
-def _frame(cloud: str, features: int, seed: int = 0):
-    """(points [N, features], Det3DDataSample with the scene's cars and pedestrians as
-    ground truth: 9-value nuScenes boxes, z at the bottom, in the sensor frame)."""
-    from mmdet3d.structures import Det3DDataSample, LiDARInstance3DBoxes
-    from mmengine.structures import InstanceData
-
-    cfg = dataclasses.replace(lidar.CLOUDS[cloud], seed=seed)
-    points = lidar.make(cfg)[:, :features].clone()
-    scene = lidar._scene(cfg).boxes.float()
-    height = lidar.RIGS[cfg.rig].height
-    objects = scene[(scene[:, 3] < 6) & (scene[:, 5] < 2.5) & (scene[:, :2].abs() < 45).all(1)]
-    bottom = objects[:, 2] - objects[:, 5] / 2 - height
-    boxes = torch.cat(
-        [objects[:, :2], bottom[:, None], objects[:, 3:7], torch.zeros(len(objects), 2)], 1
-    )
-    sample = Det3DDataSample()
-    gt = InstanceData()
-    gt.bboxes_3d = LiDARInstance3DBoxes(boxes, box_dim=9)
-    gt.labels_3d = torch.where(objects[:, 3] > 2, 0, 8)
-    sample.gt_instances_3d = gt
-    sample.set_metainfo({"box_type_3d": LiDARInstance3DBoxes, "sample_idx": seed})
-    return points, sample
 
 
 # --------------------------------------------------------------------------- the call spy
@@ -205,18 +166,9 @@ class CallSpy:
 # --------------------------------------------------------------------------- the models
 
 
-def _run(config, cloud: str, features: int):
-    from mmdet3d.registry import MODELS
-
-    cfg = _config(config)
-    # an untrained head scores every anchor ~0.01: keep them, so predict runs the NMS
-    test_cfg = cfg.model.test_cfg.get("pts", cfg.model.test_cfg)
-    test_cfg["score_thr"] = 0.0
-    torch.manual_seed(0)
-    model = MODELS.build(cfg.model)
-    model.init_weights()
-    points, sample = _frame(cloud, features)
-    data = {"inputs": {"points": [points]}, "data_samples": [sample]}
+def _run(model_name: str, cloud: str):
+    model, _ = m3d.build(model_name)  # seed 0, score_thr 0 (predict runs the NMS)
+    data = m3d.batch(model_name, cloud)
     spy = CallSpy()
     with spy:
         model.train()
@@ -246,7 +198,7 @@ def _run(config, cloud: str, features: int):
 
 
 def test_pointpillars_nus_train_and_predict(upstream):
-    trained, predicted, log = _run(POINTPILLARS, "nus-1sweep", 4)
+    trained, predicted, log = _run("pointpillars", "nus-1sweep")
     assert set(log) >= {"loss_cls", "loss_bbox", "loss_dir"}
     assert dict(trained) == {"hard_voxelize_forward": 1}
     assert set(predicted) == {"hard_voxelize_forward", "nms_rotated"}
@@ -264,7 +216,7 @@ def test_centerpoint_nus_train_and_predict(upstream):
             f"CenterPoint's sparse convolution needs {_served.SPARSE_MODULE} with "
             f"{', '.join(absent)} (not in this checkout yet)"
         )
-    trained, predicted, log = _run(CENTERPOINT, "nus-1sweep", 5)
+    trained, predicted, log = _run("centerpoint", "nus-1sweep")
     assert any(k.startswith("task0") or "loss" in k for k in log)
     assert trained["hard_voxelize_forward"] == 1
     assert trained["get_indice_pairs_3d_forward"] > 0

@@ -12,6 +12,7 @@ docs/compat_mmcv.md states every convention.
 from __future__ import annotations
 
 import importlib
+import math
 from typing import Any, Callable
 
 import torch
@@ -322,6 +323,67 @@ def ms_deform_attn_backward(
             buf.add_(g.to(buf.dtype))
 
 
+# --------------------------------------------------------------------------- focal loss
+
+_LOG_FLT_MIN = math.log(torch.finfo(torch.float32).tiny)  # mmcv's log(max(p, FLT_MIN)) floor
+
+
+def _focal_terms(input, target, weight, buffer, what):
+    """Checks mmcv's SigmoidFocalLossFunction makes (input [N, C] float, target [N] int64,
+    weight [C] or empty, the output buffer input's shape) and the kernels' per-element terms:
+    (is the target class, p, q = 1 - p, log p, log q, the weight per row or None), computed
+    in float32 at least."""
+    if input.dim() != 2:
+        raise ValueError(f"{what}: input must be [N, C], got shape {tuple(input.shape)}")
+    if target.dtype != torch.int64 or target.shape != input.shape[:1]:
+        raise ValueError(
+            f"{what}: target must be int64 [{input.shape[0]}], got {target.dtype} "
+            f"{tuple(target.shape)}"
+        )
+    if buffer.shape != input.shape:
+        raise ValueError(f"{what}: the output buffer must have input's shape {tuple(input.shape)}")
+    n, c = input.shape
+    if n and int(target.max()) > c:
+        raise ValueError(f"{what}: target values must be <= {c} (C is the background)")
+    x = input if input.dtype == torch.float64 else input.float()
+    is_t = target[:, None] == torch.arange(c, device=input.device)[None, :]
+    log_p = torch.nn.functional.logsigmoid(x).clamp(min=_LOG_FLT_MIN)
+    log_q = torch.nn.functional.logsigmoid(-x).clamp(min=_LOG_FLT_MIN)
+    row_weight = None
+    if weight.numel():
+        if weight.shape != (c,):
+            raise ValueError(f"{what}: weight must be [{c}] or empty, got {tuple(weight.shape)}")
+        if n and (int(target.min()) < 0 or int(target.max()) >= c):
+            raise ValueError(f"{what}: with a weight every target must be a class in [0, {c})")
+        row_weight = weight.to(x.dtype)[target][:, None]
+    return is_t, torch.sigmoid(x), torch.sigmoid(-x), log_p, log_q, row_weight
+
+
+def sigmoid_focal_loss_forward(backend, input, target, weight, output, gamma, alpha):
+    """input [N, C] logits, target [N] int64 (a class, or C for the background: negative for
+    every class); writes the elementwise loss into output [N, C] (mmcv's CUDA kernel):
+    -alpha (1 - p)^gamma log p at the target class, -(1 - alpha) p^gamma log(1 - p) elsewhere,
+    p = sigmoid(input), logs floored at log(FLT_MIN), times weight[target] when weight is not
+    empty. A PyTorch computation on the tensors' device (no muSPACE op; both backends)."""
+    is_t, p, q, log_p, log_q, w = _focal_terms(input, target, weight, output, "output")
+    g, a = float(gamma), float(alpha)
+    loss = torch.where(is_t, -a * q.pow(g) * log_p, -(1 - a) * p.pow(g) * log_q)
+    output.copy_(loss if w is None else loss * w)
+
+
+def sigmoid_focal_loss_backward(backend, input, target, weight, grad_input, gamma, alpha):
+    """Writes d loss / d input of sigmoid_focal_loss_forward into grad_input [N, C] (mmcv's
+    Python then multiplies by the incoming gradient):
+    -alpha (1 - p)^gamma (1 - p - gamma p log p) at the target class,
+    -(1 - alpha) p^gamma (gamma (1 - p) log(1 - p) - p) elsewhere, times weight[target]."""
+    is_t, p, q, log_p, log_q, w = _focal_terms(input, target, weight, grad_input, "grad_input")
+    g, a = float(gamma), float(alpha)
+    grad = torch.where(
+        is_t, -a * q.pow(g) * (q - g * p * log_p), -(1 - a) * p.pow(g) * (g * q * log_q - p)
+    )
+    grad_input.copy_(grad if w is None else grad * w)
+
+
 # --------------------------------------------------------------------------- build information
 
 
@@ -377,7 +439,7 @@ def _sparse(name: str):
         for i in ints:
             if isinstance(args[i], torch.Tensor):
                 args[i] = args[i].__index__()
-        return fn(*args)
+        return fn(*args, backend=backend)
 
     return call
 
@@ -398,6 +460,8 @@ SERVED: dict[str, Callable[..., Any]] = {
     "roipoint_pool3d_forward": roipoint_pool3d_forward,
     "ms_deform_attn_forward": ms_deform_attn_forward,
     "ms_deform_attn_backward": ms_deform_attn_backward,
+    "sigmoid_focal_loss_forward": sigmoid_focal_loss_forward,
+    "sigmoid_focal_loss_backward": sigmoid_focal_loss_backward,
     "get_compiler_version": get_compiler_version,
     "get_compiling_cuda_version": get_compiling_cuda_version,
     **{name: _sparse(name) for name in SPARSE},
