@@ -8,7 +8,9 @@
 #          .peers/mmdet3d-wheels the OpenMMLab kit (bash scripts/mmdet3d_wheels.sh), ~7.2 MB
 #          mu_space/_lib         prebuilt here, ~24 MB: CUDA_ARCH=90a python build_utils.py
 #                                --inplace -j 2 (rebuilt there when stale, ~3 min, which the
-#                                time limits below then take from the models)
+#                                time limits below then take from the models); or, 3.7 MB,
+#                                .peers/muspace_lib.tar.xz (tar -cJf .peers/muspace_lib.tar.xz
+#                                mu_space/_lib), unpacked here where mu_space/_lib is missing
 #   command: bash scripts/mmdet3d_gpu_session.sh
 #
 # Writes to $OUT (default ./gpu-out/mmdet3d): session.log (everything printed), build.log,
@@ -46,6 +48,9 @@ done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site "${wheels[@]}" || exit 1
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ ! -f mu_space/_lib/libmuspace_native.so ] && [ -f .peers/muspace_lib.tar.xz ]; then
+  tar -xJf .peers/muspace_lib.tar.xz || exit 1
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, numpy, mmdet3d, mmcv, mmdet, mmengine, tvm_ffi; \
 print('torch', torch.__version__, 'numpy', numpy.__version__, 'mmdet3d', mmdet3d.__version__, \
