@@ -69,11 +69,13 @@ __global__ void __launch_bounds__(kTileX* kThreadsY)
         const int local = threadIdx.y + r * kThreadsY;
         const int64_t i = row0 + local;
         if (i >= na) continue;
-        if (needs_clip(s_a[local], rb, kind)) {
+        const Rect& ra = s_a[local];
+        if (needs_clip(ra, rb, kind)) {
           s_queue[atomicAdd(&s_queued, 1u)] =
               static_cast<unsigned short>((local << 5) | threadIdx.x);
-        } else {
-          out[i * nb + j] = from_float<T>(pair_value(s_a[local], rb, kind));
+        } else {  // an empty overlap: a few compares
+          out[i * nb + j] = from_float<T>(kind <= kRotatedIoF ? unclipped_value(ra, rb)
+                                                              : pair_value(ra, rb, kind));
         }
       }
     }

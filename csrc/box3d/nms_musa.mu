@@ -120,13 +120,24 @@ __global__ void __launch_bounds__(kTile)
   if (i < n) {
     const Rect a = s_row[tid];
     const int start = c == r ? tid + 1 : 0;
-    for (int k = start; k < cols; ++k) {
-      unsigned int q = kQueue;
-      if (kClips && needs_clip(a, s_col[k], kKind)) q = atomicAdd(&s_queued, 1u);
-      if (q < kQueue) {
-        s_queue[q] = static_cast<unsigned short>((tid << 6) | k);
-      } else if (suppresses(pair_value(a, s_col[k], kKind), threshold, kKind)) {  // cheap or full
-        bits |= Word{1} << k;
+    if constexpr (kClips) {
+      const bool zero_suppresses = suppresses(0.0f, threshold, kKind);  // threshold < 0
+      for (int k = start; k < cols; ++k) {
+        const Rect& b = s_col[k];
+        if (needs_clip(a, b, kKind)) {
+          const unsigned int q = atomicAdd(&s_queued, 1u);
+          if (q < kQueue) {
+            s_queue[q] = static_cast<unsigned short>((tid << 6) | k);
+          } else if (suppresses(pair_value(a, b, kKind), threshold, kKind)) {  // queue full
+            bits |= Word{1} << k;
+          }
+        } else if (zero_suppresses && a.ok && b.ok) {  // unclipped_value: 0 or NaN
+          bits |= Word{1} << k;
+        }
+      }
+    } else {
+      for (int k = start; k < cols; ++k) {
+        if (suppresses(pair_value(a, s_col[k], kKind), threshold, kKind)) bits |= Word{1} << k;
       }
     }
   }
