@@ -172,11 +172,15 @@ __global__ void __launch_bounds__(kTile)
 __device__ __forceinline__ int lowest_bit(Word w) { return __ffsll(static_cast<long long>(w)) - 1; }
 
 // Entries [0, size) of a list: slot s of this thread is entry tid + s * kReduceThreads.
+__device__ __forceinline__ unsigned int slot_index(int tid, int s) {
+  return static_cast<unsigned int>(tid + s * kReduceThreads);
+}
+
 __device__ __forceinline__ void load_slots(const Entry* list, unsigned int size, int tid,
                                            Entry (&e)[kSlots]) {
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
-    const unsigned int idx = tid + s * kReduceThreads;
+    const unsigned int idx = slot_index(tid, s);
     e[s] = idx < size ? list[idx] : Entry{0, 0, 0};
   }
 }
@@ -210,7 +214,7 @@ __global__ void __launch_bounds__(kReduceThreads)
   load_slots(lists, cur_size, tid, cur);
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) {
-    if (tid + s * kReduceThreads < cur_size && cur[s].col == 0) {
+    if (slot_index(tid, s) < cur_size && cur[s].col == 0) {
       publish_diagonal(cur[s], s_diag, s_nonzero);
     }
   }
@@ -272,7 +276,7 @@ __global__ void __launch_bounds__(kReduceThreads)
     if (kept) {
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
-        if (tid + s * kReduceThreads < cur_size && cur[s].col != k && ((kept >> cur[s].row) & 1)) {
+        if (slot_index(tid, s) < cur_size && cur[s].col != k && ((kept >> cur[s].row) & 1)) {
           atomic_or_word(s_removed + cur[s].col, cur[s].bits);
         }
       }
@@ -286,7 +290,7 @@ __global__ void __launch_bounds__(kReduceThreads)
     if (k + 1 < tiles) {
 #pragma unroll
       for (int s = 0; s < kSlots; ++s) {
-        if (tid + s * kReduceThreads < next_size && nxt[s].col == k + 1) {
+        if (slot_index(tid, s) < next_size && nxt[s].col == k + 1) {
           publish_diagonal(nxt[s], s_diag, s_nonzero);
         }
         cur[s] = nxt[s];
