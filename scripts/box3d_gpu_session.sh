@@ -6,6 +6,7 @@
 #   bash scripts/box3d_gpu_session.sh sanitize     # ~3-6 min: memcheck + racecheck of the box kernels
 #   bash scripts/box3d_gpu_session.sh bench [NAME ...]   # points_in_boxes boxes_overlap_bev nms3d
 #                                                        # roiaware_pool3d roipoint_pool3d (default all)
+#   bash scripts/box3d_gpu_session.sh profile [REGEX]    # ~1-2 min: host vs kernel time per case
 #
 # Carry the ignored .peers/ folder (mmcv's sources) to the GPU machine for the peer build. The
 # tests and benchmarks run with MUSPACE_TRY_UNVERIFIED=1, so `auto` uses the (still unverified)
@@ -19,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out-box3d}
 mkdir -p "$OUT"
-case "${1:-}" in build | test | sanitize | bench) ;; *) sed -n '2,17p' "$0"; exit 2 ;; esac
+case "${1:-}" in build | test | sanitize | bench | profile) ;; *) sed -n '2,18p' "$0"; exit 2 ;; esac
 export PYTHONUNBUFFERED=1 MUSPACE_TRY_UNVERIFIED=1
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -89,8 +90,13 @@ case "$stage" in
     python3 -m benchmarks._box3d_peer $(for b in "${benches[@]}"; do
       ls benchmarks/results/"$slug"/"$b"*.json 2>/dev/null; done) | tee "$OUT/mmcv_ratios.md"
     ;;
+  profile)
+    python3 -m benchmarks.profile_box3d --cases "${1:-.*}" 2>&1 | grep -v "^USDT" |
+      tee "$OUT/profile_box3d.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    ;;
   *)
-    sed -n '2,17p' "$0"
+    sed -n '2,18p' "$0"
     exit 2
     ;;
 esac

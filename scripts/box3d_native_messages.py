@@ -50,16 +50,14 @@ def cases(lib) -> dict:
         [np.zeros((4, 5), f32), np.zeros((4, 5), f32), np.zeros(4, f32), 1, 2, True, True, 0],
     )
     n = 70
-    words = (n + 63) // 64
     out["box3d_nms"] = nm._battery(
         lib,
         "box3d_nms",
         [
             np.zeros((n, 7), f32),
             np.arange(n, dtype=i64),
-            np.zeros(n * words + words, i64),
-            np.zeros(n, i64),
-            np.zeros(1, i64),
+            np.zeros(int(lib["box3d_nms_workspace_ints"](n)), i64),
+            np.zeros(n + 1, i64),
             0,
             1,
             0.5,

@@ -9,17 +9,21 @@
 // and the result is the greedy one: visit the boxes in order, keep a box unless a kept box
 // suppresses it, stop after max_keep kept boxes (post_max_size).
 //
-// 1. mask_kernel: the 64 x 64 tiles of the suppression matrix on and above the diagonal,
-//    mask[i][w] bit r = box i suppresses box 64*w + r (> i). One block of 64 threads per tile
-//    (tiles below the diagonal return at once); far-apart pairs cost a few compares.
-// 2. reduce_kernel: one block walks the 64-box tiles in order. Thread 0 resolves a tile
-//    sequentially from the removed-bits word of the tile and the tile's diagonal words (shared
-//    memory, prefetched one tile ahead: they do not depend on the decisions); then all threads
-//    OR the kept rows' words into the removed bits of the later tiles. It writes
-//    keep[k] = order[kept box] and count, and stops early at max_keep.
-// The mask holds N * ceil(N / 64) 64-bit words (the caller's workspace, plus ceil(N / 64) words
-// of removed bits): no box-count limit but memory (and 65535 * 64 boxes for the tile grid).
-// Everything runs on the caller's stream; the caller reads `count` back (the one sync).
+// Boxes are grouped in tiles of 64 (tile k = boxes 64k .. 64k + 63 of the order); word w of
+// row i holds bit b = "box i suppresses box 64w + b" (only b > i within the diagonal tile).
+// 1. mask_kernel, one block of 64 threads per 64 x 64 tile on and above the diagonal: the
+//    NONZERO words only, as entries {bits, column tile, row in tile} appended to the list of the
+//    row tile (block-aggregated atomics). Suppression is sparse (a box overlaps a handful of
+//    others), so a tile's list is short: 4096 boxes at IoU 0.7 give ~1 entry per box, not 64.
+// 2. reduce_kernel, one block: walks the tiles in order with the removed bits of every tile in
+//    shared memory. Per tile k: thread 0 resolves the tile from its removed word and its diagonal
+//    entries, visiting only rows that suppress something inside the tile (the rows of a nonzero
+//    diagonal word); every other row's fate is its removed bit. Then all threads OR the kept
+//    rows' off-diagonal entries into the removed words (shared atomics). The entries of tile
+//    k + 1 are loaded into registers while tile k resolves (they do not depend on decisions),
+//    so the walk never waits on global memory per box. Kept bits and running counts per tile
+//    go to the workspace; a final pass writes keep[1 + rank] = order[box] in parallel.
+// Everything runs on the caller's stream; the caller reads keep[0] (the count: the one sync).
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -37,13 +41,35 @@ namespace muspace {
 namespace box3d {
 namespace {
 
-constexpr int kTile = 64;  // boxes per tile: one 64-bit word of the mask
-constexpr int kReduceThreads = 256;
-constexpr int64_t kMaxTiles = 65535;  // tile rows of the mask grid (grid.y)
+constexpr int kTile = 64;     // boxes per tile: one 64-bit word of the mask
+constexpr int kQueue = 1024;  // pairs a mask block clips together (more: clipped in place)
+constexpr int kReduceThreads = 128;
+constexpr int kSlots = 4;  // entries of the next tile each reduce thread holds in registers
+// removed bits of every tile in shared memory (24 KB, under the 28 KB portable limit)
+constexpr int64_t kMaxTiles = 3072;
 constexpr int64_t kMaxBoxes = kMaxTiles * kTile;
 MUSPACE_LIMIT(box3d_nms, max_boxes, kMaxBoxes);
 
 using Word = unsigned long long;
+
+// One nonzero mask word: row `row` of its row tile suppresses the boxes `bits` of tile `col`.
+struct alignas(16) Entry {
+  Word bits;
+  int32_t col;
+  int32_t row;
+};
+
+// The list of row tile r starts at 64 * (sum over r' < r of (tiles - r')): room for every
+// word of its rows on and above the diagonal.
+__host__ __device__ __forceinline__ int64_t list_offset(int64_t r, int64_t tiles) {
+  return kTile * (r * tiles - r * (r - 1) / 2);
+}
+
+// Workspace in int64 words: the lists (2 words per entry), then per tile the entry count
+// (uint32, one int64 word each for simplicity), the kept bits and the kept count before it.
+__host__ __device__ __forceinline__ int64_t workspace_words(int64_t tiles) {
+  return 2 * list_offset(tiles, tiles) + 3 * tiles;
+}
 
 template <typename T>
 __device__ __forceinline__ Rect load_ordered(const T* __restrict__ boxes, const int64_t* order,
@@ -53,103 +79,252 @@ __device__ __forceinline__ Rect load_ordered(const T* __restrict__ boxes, const 
   return load_rect(boxes, row, layout, 1.0f);
 }
 
+// s_word |= v from many threads at once: two 32-bit shared atomics (portable everywhere).
+__device__ __forceinline__ void atomic_or_word(Word* p, Word v) {
+  unsigned int* half = reinterpret_cast<unsigned int*>(p);
+  const unsigned int lo = static_cast<unsigned int>(v);
+  const unsigned int hi = static_cast<unsigned int>(v >> 32);
+  if (lo) atomicOr(half, lo);
+  if (hi) atomicOr(half + 1, hi);
+}
+
 template <typename T, int kKind>
 __global__ void __launch_bounds__(kTile)
     mask_kernel(const T* __restrict__ boxes, const int64_t* __restrict__ order,
-                Word* __restrict__ mask, int64_t n, int64_t n_rows, int layout, float threshold) {
+                Entry* __restrict__ lists, unsigned int* __restrict__ list_size, int64_t n,
+                int64_t n_rows, int layout, float threshold) {
+  constexpr bool kClips = kKind == kIoU3D || kKind == kRotatedIoU;
   const int c = blockIdx.x;  // column tile
   const int r = blockIdx.y;  // row tile
-  if (c < r) return;         // below the diagonal: never read
+  if (c < r) return;         // below the diagonal: nothing (block-uniform)
   __shared__ Rect s_col[kTile];
-  const int64_t words = (n + kTile - 1) / kTile;
+  __shared__ Rect s_row[kTile];
+  __shared__ Word s_clipped[kTile];           // bits decided by the clip queue
+  __shared__ unsigned short s_queue[kQueue];  // (row << 6) | column of a pair to clip
+  __shared__ unsigned int s_queued;
+  __shared__ unsigned int s_count;
+  __shared__ unsigned int s_base;
+  const int tid = threadIdx.x;
   const int64_t j0 = static_cast<int64_t>(c) * kTile;
   const int cols = static_cast<int>(::min(static_cast<int64_t>(kTile), n - j0));
-  if (static_cast<int>(threadIdx.x) < cols) {
-    s_col[threadIdx.x] = load_ordered(boxes, order, j0 + threadIdx.x, n_rows, layout);
+  const int64_t i = static_cast<int64_t>(r) * kTile + tid;
+  if (tid == 0) {
+    s_count = 0;
+    s_queued = 0;
   }
+  s_clipped[tid] = 0;
+  if (tid < cols) s_col[tid] = load_ordered(boxes, order, j0 + tid, n_rows, layout);
+  if (i < n) s_row[tid] = load_ordered(boxes, order, i, n_rows, layout);
   __syncthreads();
-  const int64_t i = static_cast<int64_t>(r) * kTile + threadIdx.x;
-  if (i >= n) return;
-  const Rect a = load_ordered(boxes, order, i, n_rows, layout);
   Word bits = 0;
-  const int start = c == r ? static_cast<int>(threadIdx.x) + 1 : 0;
-  for (int k = start; k < cols; ++k) {
-    if (suppresses(pair_value(a, s_col[k], kKind), threshold, kKind)) bits |= Word{1} << k;
+  if (i < n) {
+    const Rect a = s_row[tid];
+    const int start = c == r ? tid + 1 : 0;
+    if constexpr (kClips) {
+      const bool zero_suppresses = suppresses(0.0f, threshold, kKind);  // threshold < 0
+      for (int k = start; k < cols; ++k) {
+        const Rect& b = s_col[k];
+        if (needs_clip(a, b, kKind)) {
+          const unsigned int q = atomicAdd(&s_queued, 1u);
+          if (q < kQueue) {
+            s_queue[q] = static_cast<unsigned short>((tid << 6) | k);
+          } else if (suppresses(pair_value(a, b, kKind), threshold, kKind)) {  // queue full
+            bits |= Word{1} << k;
+          }
+        } else if (zero_suppresses && a.ok && b.ok) {  // unclipped_value: 0 or NaN
+          bits |= Word{1} << k;
+        }
+      }
+    } else {
+      for (int k = start; k < cols; ++k) {
+        if (suppresses(pair_value(a, s_col[k], kKind), threshold, kKind)) bits |= Word{1} << k;
+      }
+    }
   }
-  mask[i * words + c] = bits;
+  if constexpr (kClips) {
+    __syncthreads();
+    const unsigned int queued = ::min(s_queued, static_cast<unsigned int>(kQueue));
+    for (unsigned int q = tid; q < queued; q += kTile) {
+      const int row = s_queue[q] >> 6;
+      const int col = s_queue[q] & (kTile - 1);
+      if (suppresses(pair_value(s_row[row], s_col[col], kKind), threshold, kKind)) {
+        atomic_or_word(s_clipped + row, Word{1} << col);
+      }
+    }
+    __syncthreads();
+    bits |= s_clipped[tid];
+  }
+  unsigned int slot = 0;
+  if (bits) slot = atomicAdd(&s_count, 1u);
+  __syncthreads();
+  if (tid == 0 && s_count) s_base = atomicAdd(list_size + r, s_count);
+  __syncthreads();
+  if (bits) {
+    const int64_t tiles = gridDim.x;
+    Entry e;
+    e.bits = bits;
+    e.col = c;
+    e.row = tid;
+    lists[list_offset(r, tiles) + s_base + slot] = e;
+  }
 }
 
-// Lowest set bit of a nonzero word.
 __device__ __forceinline__ int lowest_bit(Word w) { return __ffsll(static_cast<long long>(w)) - 1; }
 
+// Entries [0, size) of a list: slot s of this thread is entry tid + s * kReduceThreads.
+__device__ __forceinline__ unsigned int slot_index(int tid, int s) {
+  return static_cast<unsigned int>(tid + s * kReduceThreads);
+}
+
+__device__ __forceinline__ void load_slots(const Entry* list, unsigned int size, int tid,
+                                           Entry (&e)[kSlots]) {
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    const unsigned int idx = slot_index(tid, s);
+    e[s] = idx < size ? list[idx] : Entry{0, 0, 0};
+  }
+}
+
+// The diagonal entry of a row tile: its word for shared memory and its row in the nonzero set.
+__device__ __forceinline__ void publish_diagonal(const Entry& e, Word* s_diag,
+                                                 unsigned int* s_nonzero) {
+  s_diag[e.row] = e.bits;
+  atomicOr(s_nonzero + (e.row >> 5), 1u << (e.row & 31));
+}
+
 __global__ void __launch_bounds__(kReduceThreads)
-    reduce_kernel(const Word* __restrict__ mask, Word* __restrict__ removed,
-                  const int64_t* __restrict__ order, int64_t* __restrict__ keep,
-                  int64_t* __restrict__ count_out, int64_t n, int64_t max_keep) {
-  __shared__ Word s_diag[2][kTile];
+    reduce_kernel(const Entry* __restrict__ lists, const unsigned int* __restrict__ list_size,
+                  const int64_t* __restrict__ order, Word* __restrict__ tile_kept,
+                  int64_t* __restrict__ tile_base, int64_t* __restrict__ keep, int64_t n,
+                  int64_t max_keep) {
+  extern __shared__ Word s_removed[];  // [tiles]
+  __shared__ Word s_diag[kTile];
+  __shared__ unsigned int s_nonzero[2];  // rows of the tile with a nonzero diagonal word
   __shared__ Word s_kept;
-  __shared__ int64_t s_count;
   __shared__ int s_stop;
   const int tid = threadIdx.x;
-  const int64_t words = (n + kTile - 1) / kTile;
-  for (int64_t w = tid; w < words; w += kReduceThreads) removed[w] = 0;
-  if (tid < kTile) s_diag[0][tid] = tid < n ? mask[static_cast<int64_t>(tid) * words] : 0;
-  int64_t count = 0;  // thread 0's
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  for (int64_t w = tid; w < tiles; w += kReduceThreads) s_removed[w] = 0;
+  if (tid < 2) s_nonzero[tid] = 0;
   __syncthreads();
-  for (int64_t k = 0; k < words; ++k) {
-    const int buf = static_cast<int>(k & 1);
-    // the next tile's diagonal words, while thread 0 resolves this one
-    if (k + 1 < words && tid >= kTile && tid < 2 * kTile) {
-      const int64_t row = (k + 1) * kTile + (tid - kTile);
-      s_diag[buf ^ 1][tid - kTile] = row < n ? mask[row * words + k + 1] : 0;
+
+  Entry cur[kSlots];
+  unsigned int cur_size = list_size[0];
+  unsigned int next_size = tiles > 1 ? list_size[1] : 0;
+  load_slots(lists, cur_size, tid, cur);
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) {
+    if (slot_index(tid, s) < cur_size && cur[s].col == 0) {
+      publish_diagonal(cur[s], s_diag, s_nonzero);
     }
+  }
+  for (unsigned int idx = tid + kSlots * kReduceThreads; idx < cur_size; idx += kReduceThreads) {
+    const Entry e = lists[idx];
+    if (e.col == 0) publish_diagonal(e, s_diag, s_nonzero);
+  }
+  __syncthreads();
+
+  int64_t count = 0;  // thread 0's: kept boxes so far
+  int64_t tiles_done = tiles;
+  for (int64_t k = 0; k < tiles; ++k) {
+    // the next tile's entries (and the size of the one after) while this tile resolves
+    Entry nxt[kSlots];
+    const Entry* next_list = lists + list_offset(k + 1, tiles);
+    const unsigned int after_size = k + 2 < tiles ? list_size[k + 2] : 0;
+    if (k + 1 < tiles) load_slots(next_list, next_size, tid, nxt);
+
     if (tid == 0) {
       const int rows = static_cast<int>(::min(static_cast<int64_t>(kTile), n - k * kTile));
       const Word valid = rows == kTile ? ~Word{0} : (Word{1} << rows) - 1;
-      Word cur = removed[k];
-      Word kept = 0;
-      int stop = 0;
-      Word candidates = ~cur & valid;
-      while (candidates) {
-        const int r = lowest_bit(candidates);
-        kept |= Word{1} << r;
-        keep[count++] = order[k * kTile + r];
-        if (count == max_keep) {
-          stop = 1;
-          break;
-        }
-        cur |= s_diag[buf][r];
-        const Word above = r == kTile - 1 ? Word{0} : ~Word{0} << (r + 1);
-        candidates = ~cur & valid & above;
+      Word removed = s_removed[k] | ~valid;
+      const Word nonzero = (static_cast<Word>(s_nonzero[1]) << 32) | s_nonzero[0];
+      s_nonzero[0] = 0;  // refilled for tile k + 1 after the barrier
+      s_nonzero[1] = 0;
+      // Visit in order only the rows that suppress something in the tile; a row is kept iff it
+      // is not removed when its turn comes (its diagonal bits are all above it).
+      for (Word todo = nonzero & ~removed; todo; todo &= ~removed) {
+        const int row = lowest_bit(todo);
+        removed |= s_diag[row];
+        todo &= todo - 1;
       }
+      Word kept = ~removed;
+      int64_t added = __popcll(kept);
+      int stop = 0;
+      if (count + added >= max_keep) {  // keep the first max_keep - count of them
+        Word first = 0;
+        for (int64_t q = count; q < max_keep; ++q) {
+          const Word low = kept & (~kept + 1);
+          first |= low;
+          kept ^= low;
+        }
+        kept = first;
+        added = max_keep - count;
+        stop = 1;
+      }
+      tile_kept[k] = kept;
+      tile_base[k] = count;
+      count += added;
       s_kept = kept;
-      s_count = count;
       s_stop = stop;
     }
     __syncthreads();
-    if (s_stop) break;  // block-uniform
+    if (s_stop) {  // block-uniform
+      tiles_done = k + 1;
+      break;
+    }
     const Word kept = s_kept;
     if (kept) {
-      for (int64_t w = k + 1 + tid; w < words; w += kReduceThreads) {
-        Word acc = 0;
-        for (Word bits = kept; bits; bits &= bits - 1) {
-          acc |= mask[(k * kTile + lowest_bit(bits)) * words + w];
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        if (slot_index(tid, s) < cur_size && cur[s].col != k && ((kept >> cur[s].row) & 1)) {
+          atomic_or_word(s_removed + cur[s].col, cur[s].bits);
         }
-        removed[w] |= acc;  // word w has one owner in this step
+      }
+      const Entry* list = lists + list_offset(k, tiles);
+      for (unsigned int idx = tid + kSlots * kReduceThreads; idx < cur_size;
+           idx += kReduceThreads) {
+        const Entry e = list[idx];
+        if (e.col != k && ((kept >> e.row) & 1)) atomic_or_word(s_removed + e.col, e.bits);
       }
     }
-    __syncthreads();  // removed[] and s_diag[buf ^ 1] ready for the next tile
+    if (k + 1 < tiles) {
+#pragma unroll
+      for (int s = 0; s < kSlots; ++s) {
+        if (slot_index(tid, s) < next_size && nxt[s].col == k + 1) {
+          publish_diagonal(nxt[s], s_diag, s_nonzero);
+        }
+        cur[s] = nxt[s];
+      }
+      for (unsigned int idx = tid + kSlots * kReduceThreads; idx < next_size;
+           idx += kReduceThreads) {
+        const Entry e = next_list[idx];
+        if (e.col == k + 1) publish_diagonal(e, s_diag, s_nonzero);
+      }
+    }
+    cur_size = next_size;
+    next_size = after_size;
+    __syncthreads();  // s_removed, s_diag and s_nonzero ready for tile k + 1
   }
-  if (tid == 0) count_out[0] = n == 0 ? 0 : s_count;
+  // tile_kept / tile_base of thread 0 are visible after the last barrier
+  const int64_t boxes = ::min(n, tiles_done * kTile);
+  for (int64_t i = tid; i < boxes; i += kReduceThreads) {
+    const int64_t k = i / kTile;
+    const int b = static_cast<int>(i % kTile);
+    const Word kept = tile_kept[k];
+    if ((kept >> b) & 1) {
+      keep[1 + tile_base[k] + __popcll(kept & ((Word{1} << b) - 1))] = order[i];
+    }
+  }
+  if (tid == 0) keep[0] = count;
 }
 
 // boxes [n_rows, W] (layout: box3d::Layout; W = 7, 5, 5, 3), order [n] int64 (rows of boxes in
-// visiting order), workspace int64 [n * ceil(n/64) + ceil(n/64)], keep int64 [n] (the first
-// count entries are written), count int64 [1]. kind: box3d::Kind 1, 2, 4 or 5; threshold: the
-// float32 threshold (circle: already rounded down); max_keep <= 0: no limit.
-void nms(TensorView boxes, TensorView order, TensorView workspace, TensorView keep,
-         TensorView count, int64_t layout, int64_t kind, float threshold, int64_t max_keep,
-         int64_t stream) {
+// visiting order), workspace int64 [box3d_nms_workspace_ints(n)], keep int64 [n + 1]: keep[0]
+// = the kept count K, keep[1 .. K] = the kept rows of boxes in visiting order. kind:
+// box3d::Kind 1, 2, 4 or 5; threshold: the float32 threshold (circle: already rounded down);
+// max_keep <= 0: no limit.
+void nms(TensorView boxes, TensorView order, TensorView workspace, TensorView keep, int64_t layout,
+         int64_t kind, float threshold, int64_t max_keep, int64_t stream) {
   check_gpu_tensor(boxes, "boxes");
   check_float_dtype(boxes, "boxes");
   check_contiguous(boxes, "boxes");
@@ -168,39 +343,54 @@ void nms(TensorView boxes, TensorView order, TensorView workspace, TensorView ke
   if (n > kMaxBoxes) {
     TVM_FFI_THROW(ValueError) << n << " boxes exceed the NMS limit of " << kMaxBoxes;
   }
-  const int64_t words = (n + kTile - 1) / kTile;
+  const int64_t tiles = (n + kTile - 1) / kTile;
   check_input(workspace, "workspace", boxes, kInt64);
   check_ndim(workspace, "workspace", 1);
-  if (workspace.size(0) < n * words + words) {
-    TVM_FFI_THROW(ValueError) << "workspace must hold " << n * words + words << " int64, got "
+  if (workspace.size(0) < workspace_words(tiles)) {
+    TVM_FFI_THROW(ValueError) << "workspace must hold " << workspace_words(tiles) << " int64, got "
                               << workspace.size(0);
   }
-  check_vector(keep, "keep", boxes, kInt64, n);
-  check_vector(count, "count", boxes, kInt64, 1);
+  check_vector(keep, "keep", boxes, kInt64, n + 1);
   const int device_id = boxes.device().device_id;
   DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
   if (n == 0) {
-    launch_zero(data_of(count), 8, device_id, st, "box3d_nms fill (count)");
+    launch_zero(data_of(keep), 8, device_id, st, "box3d_nms fill (count)");
     return;
   }
-  Word* mask = data_of<Word>(workspace);
+  int64_t* ws = data_of<int64_t>(workspace);
+  Entry* lists = reinterpret_cast<Entry*>(ws);
+  int64_t* per_tile = ws + 2 * list_offset(tiles, tiles);
+  unsigned int* list_size = reinterpret_cast<unsigned int*>(per_tile);
+  Word* tile_kept = reinterpret_cast<Word*>(per_tile + tiles);
+  int64_t* tile_base = per_tile + 2 * tiles;
+  launch_zero(list_size, tiles * static_cast<int64_t>(sizeof(unsigned int)), device_id, st,
+              "box3d_nms fill (list sizes)");
   dispatch_float(boxes, "boxes", [&](auto tag) {
     using T = decltype(tag);
-    const dim3 grid(static_cast<unsigned>(words), static_cast<unsigned>(words));
+    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(tiles));
     auto launch = [&](auto kind_tag) {
       constexpr int kKind = decltype(kind_tag)::value;
-      mask_kernel<T, kKind>
-          <<<grid, kTile, 0, st>>>(data_of<const T>(boxes), data_of<const int64_t>(order), mask, n,
-                                   boxes.size(0), static_cast<int>(layout), threshold);
+      mask_kernel<T, kKind><<<grid, kTile, 0, st>>>(
+          data_of<const T>(boxes), data_of<const int64_t>(order), lists, list_size, n,
+          boxes.size(0), static_cast<int>(layout), threshold);
     };
     dispatch_int<kIoU3D, kRotatedIoU, kNormal, kCircle>(static_cast<int>(kind), launch);
     check_launch("box3d_nms mask_kernel");
   });
-  reduce_kernel<<<1, kReduceThreads, 0, st>>>(mask, mask + n * words, data_of<const int64_t>(order),
-                                              data_of<int64_t>(keep), data_of<int64_t>(count), n,
-                                              max_keep > 0 ? max_keep : n);
+  const size_t shared = static_cast<size_t>(tiles) * sizeof(Word);
+  reduce_kernel<<<1, kReduceThreads, shared, st>>>(lists, list_size, data_of<const int64_t>(order),
+                                                   tile_kept, tile_base, data_of<int64_t>(keep), n,
+                                                   max_keep > 0 ? max_keep : n);
   check_launch("box3d_nms reduce_kernel");
+}
+
+// The int64 elements of the workspace box3d_nms needs for n boxes.
+int64_t nms_workspace_ints(int64_t n) {
+  if (n < 0 || n > kMaxBoxes) {
+    TVM_FFI_THROW(ValueError) << "n must be in [0, " << kMaxBoxes << "], got " << n;
+  }
+  return workspace_words((n + kTile - 1) / kTile);
 }
 
 }  // namespace
@@ -208,3 +398,4 @@ void nms(TensorView boxes, TensorView order, TensorView workspace, TensorView ke
 }  // namespace muspace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(box3d_nms, muspace::box3d::nms);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(box3d_nms_workspace_ints, muspace::box3d::nms_workspace_ints);

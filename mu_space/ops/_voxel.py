@@ -35,7 +35,7 @@ from mu_space.runtime.device import stream_handle
 INT32_MAX = 2**31 - 1
 # OpDef.unverified of every voxel op with native kernels ("" once the GPU suite and the
 # compute-sanitizer stage have passed)
-UNVERIFIED = "issue 10: the GPU suite passed on an H200 (2026-12-01); the compute-sanitizer stage is still to run"
+UNVERIFIED = "issue 10: the kernels of 220294a passed the GPU suite on an H200 (2026-12-01); the faster ones since are compiled, not yet run on a GPU"
 POINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 NATIVE_POINT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # upper bounds of the integer arguments (a larger value is a ValueError naming it): the outputs

@@ -11,6 +11,8 @@ only host synchronisation is reading the kept count.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mu_space.ops import _box3d, _opdef
@@ -213,23 +215,17 @@ def run_nms(boxes, order, layout: int, kind: int, thresh: float, max_keep, backe
     boxes = boxes.contiguous()
     order = order.contiguous()
     n = order.shape[0]
-    words = (n + 63) // 64
-    workspace = torch.empty(n * words + words, dtype=torch.int64, device=boxes.device)
-    keep = torch.empty(n, dtype=torch.int64, device=boxes.device)
-    count = torch.empty(1, dtype=torch.int64, device=boxes.device)
+    workspace = torch.empty(_nms_workspace_ints(n), dtype=torch.int64, device=boxes.device)
+    keep = torch.empty(n + 1, dtype=torch.int64, device=boxes.device)  # [count, kept rows...]
     native.function("box3d_nms")(
-        boxes,
-        order,
-        workspace,
-        keep,
-        count,
-        layout,
-        kind,
-        thr,
-        max_keep or 0,
-        stream_handle(boxes),
+        boxes, order, workspace, keep, layout, kind, thr, max_keep or 0, stream_handle(boxes)
     )
-    return keep[: int(count.item())]  # the one host synchronisation
+    return keep[1 : 1 + int(keep[0])]  # the one host synchronisation
+
+
+@functools.lru_cache(maxsize=256)
+def _nms_workspace_ints(n: int) -> int:
+    return int(native.function("box3d_nms_workspace_ints")(n))
 
 
 def nms_supports(c: _opdef.Checked) -> str | None:

@@ -46,3 +46,21 @@ def test_ratio_table(tmp_path):
     path.write_text(json.dumps(doc))
     table = _box3d_peer.ratio_table([str(path)])
     assert "| a | 10.0 | 250.0 | 25.0x |" in table and "| b |" not in table
+
+
+def test_profile_script_smoke(capsys):
+    """benchmarks/profile_box3d.py (the GPU session's host vs kernel split) on tiny inputs: one
+    row per selected case with a positive wall time."""
+    from benchmarks import profile_box3d
+
+    assert (
+        profile_box3d.main(["--smoke", "--calls", "1", "--cases", "nms3d-top500|overlap-float32"])
+        == 0
+    )
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:] if line.strip()]
+    rows = [r for r in rows if not r[0].startswith("USDT")]
+    assert {r[0] for r in rows} == {
+        "det-4096-nms3d-top500-float32",
+        "det-1000x1000-overlap-float32",
+    }
+    assert all(float(r[1]) > 0 for r in rows)

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from mu_space.ops import _box3d
 from mu_space.ops.box_iou_rotated import box_iou_rotated
 from mu_space.ops.iou3d import boxes_iou_bev, boxes_overlap_bev
 from mu_space.testing import boxes as box_inputs
@@ -210,6 +211,53 @@ def test_empty_inputs_and_low_precision_dtypes(dets):
 def test_bad_arguments_name_the_argument(call, match):
     with pytest.raises((TypeError, ValueError), match=match):
         call()
+
+
+def _needs_clip(a, b):
+    """box3d::needs_clip (the IoU kinds): finite, positive sizes and not far apart."""
+    ok = _box3d._finite(a) & _box3d._finite(b)
+    positive = (a.w > 0) & (a.h > 0) & (b.w > 0) & (b.h > 0)
+    reach = ((a.w * 0.5).abs() + (a.h * 0.5).abs()) + ((b.w * 0.5).abs() + (b.h * 0.5).abs())
+    far = ((a.x - b.x).abs() > reach) | ((a.y - b.y).abs() > reach)
+    return ok & positive & ~far, ok
+
+
+@pytest.mark.parametrize(
+    "kind", [_box3d.OVERLAP, _box3d.IOU3D, _box3d.ROTATED_IOU, _box3d.ROTATED_IOF]
+)
+def test_unclipped_pairs_are_zero_or_nan(kind):
+    """The kernels skip pair_value for the pairs that need no clip and write 0 (finite boxes)
+    or NaN (box3d::unclipped_value; NMS: 0 suppresses only below a negative threshold). Checked
+    on the reference (the same steps as pair_value) over every pair of detections and of
+    degenerate, tiny (area <= 1e-14), huge (areas overflow to +-inf), negative, NaN and
+    infinite rectangles."""
+    dets, _ = box_inputs.detections(120, seed=4, extent=15.0)
+    r = _box3d.rects(dets, _box3d.LIDAR7)
+    odd = [
+        (0.0, 0.0, 0.0, 2.0, 0.1),
+        (0.0, 0.0, 1e-8, 1e-8, 0.0),
+        (0.1, 0.0, 1e-7, 1e-7, 0.3),
+        (0.0, 0.0, 1e30, 1e30, 0.0),
+        (1e31, 0.0, 1e30, 1e30, 0.2),
+        (0.0, 0.0, -1e30, 1e30, 0.0),
+        (0.0, 0.0, -2.0, 3.0, 0.5),
+        (0.0, 0.0, 2.0, -3.0, 0.5),
+        (math.nan, 0.0, 2.0, 3.0, 0.0),
+        (0.0, 0.0, 2.0, 3.0, math.inf),
+        (math.inf, 0.0, 2.0, 3.0, 0.0),
+        (3.0, 4.0, 2.0, 1.0, -0.7),
+    ]
+    o = torch.tensor(odd, dtype=torch.float32)
+    all_r = _box3d.Rects(*(torch.cat([t, o[:, i]]) for i, t in enumerate(r)))
+    a = _box3d.Rects(*(t[:, None] for t in all_r))
+    b = _box3d.Rects(*(t[None, :] for t in all_r))
+    values = _box3d.pair_values(a, b, kind)
+    a2, b2, shape = _box3d._broadcast(a, b)
+    clip, ok = (t.reshape(shape) for t in _needs_clip(a2, b2))
+    assert clip.sum() > 200 and (~clip & ok).sum() > 1000 and (~ok).sum() > 100
+    skipped = values[~clip]
+    assert torch.equal(skipped.isnan(), ~ok[~clip])
+    assert (skipped[ok[~clip]] == 0).all()
 
 
 # ------------------------------------------------------------------------------ native (GPU)

@@ -195,3 +195,178 @@ def test_native_tied_scores_and_nan():
     assert torch.equal(
         nms3d(boxes, scores, 0.4, backend="native"), nms3d(boxes, scores, 0.4, backend="reference")
     )
+
+
+def test_native_one_dense_cluster():
+    """Every pair overlaps (one crowded spot): each 64 x 64 mask tile has more pairs to clip
+    than the kernel's clip queue holds (the rest are clipped in place) and each row tile's
+    suppression list outgrows what the walk holds in registers (the rest is read in place);
+    thresholds from "almost everything suppressed" to "a third kept", and the caps."""
+    device = native_gpu_device()
+    g = torch.Generator().manual_seed(11)
+    n = 700
+    boxes = torch.zeros(n, 7)
+    boxes[:, :2] = torch.rand(n, 2, generator=g) * 0.5
+    boxes[:, 3:6] = 4.0 + torch.rand(n, 3, generator=g)
+    boxes[:, 6] = torch.rand(n, generator=g) * 3.0
+    scores = torch.rand(n, generator=g)
+    boxes, scores = boxes.to(device), scores.to(device)
+    bev = box_inputs.xyxyr(boxes)
+    for fn, args in (
+        (nms3d, (boxes, scores, 0.7)),  # 2 kept
+        (nms3d, (boxes, scores, 0.9)),  # 245 kept
+        (nms3d, (boxes, scores, 0.05)),
+        (nms3d, (boxes, scores, -1.0)),
+        (nms_bev, (bev, scores, 0.6, 600, 90)),
+    ):
+        got = fn(*args, backend="native")
+        assert torch.equal(got, fn(*args, backend="reference"))
+        assert 0 < got.numel() < n
+
+
+# ------------------------------------------- model of the native walk (csrc/box3d/nms_musa.mu)
+
+_TILE = 64
+_FULL = (1 << _TILE) - 1
+
+
+def _kernel_model(sup, max_keep=None, seed=0) -> list[int]:
+    """The algorithm of box3d_nms step by step on a bool suppression matrix sup[i, j] (i visited
+    before j; only j > i is read): mask_kernel's per-row-tile lists of nonzero words (shuffled:
+    the block atomics append in any order), reduce_kernel's tile walk (shared removed words, the
+    diagonal words kept from earlier tiles as stale values, rows visited only where their
+    diagonal word is nonzero, the max_keep cut inside a tile) and the final compaction from the
+    per-tile kept bits and counts. Returns the kept positions in order."""
+    import random
+
+    n = sup.shape[0]
+    tiles = (n + _TILE - 1) // _TILE
+    rng = random.Random(seed)
+    lists = []
+    for r in range(tiles):
+        entries = []
+        for c in range(r, tiles):
+            for row in range(min(_TILE, n - r * _TILE)):
+                i = r * _TILE + row
+                start = row + 1 if c == r else 0
+                bits = 0
+                for b in range(start, min(_TILE, n - c * _TILE)):
+                    if sup[i, c * _TILE + b]:
+                        bits |= 1 << b
+                if bits:
+                    entries.append((bits, c, row))
+        assert len(entries) <= _TILE * (tiles - r)  # the list's room in the workspace
+        rng.shuffle(entries)
+        lists.append(entries)
+    limit = n if max_keep is None or max_keep <= 0 else max_keep
+    removed = [0] * tiles
+    diag = [rng.getrandbits(64) for _ in range(_TILE)]  # uninitialised shared memory
+    nonzero = 0
+    for bits, col, row in lists[0]:
+        if col == 0:
+            diag[row], nonzero = bits, nonzero | (1 << row)
+    count, tiles_done = 0, tiles
+    tile_kept, tile_base = [None] * tiles, [None] * tiles
+    for k in range(tiles):
+        rows = min(_TILE, n - k * _TILE)
+        rem = removed[k] | (~((1 << rows) - 1) & _FULL)
+        todo, nonzero = nonzero & ~rem, 0
+        while todo:
+            row = (todo & -todo).bit_length() - 1
+            rem |= diag[row]
+            todo &= todo - 1
+            todo &= ~rem
+        kept = ~rem & _FULL
+        added, stop = bin(kept).count("1"), False
+        if count + added >= limit:
+            first = 0
+            for _ in range(limit - count):
+                low = kept & -kept
+                first, kept = first | low, kept ^ low
+            kept, added, stop = first, limit - count, True
+        tile_kept[k], tile_base[k] = kept, count
+        count += added
+        if stop:
+            tiles_done = k + 1
+            break
+        for bits, col, row in lists[k]:
+            if col != k and (kept >> row) & 1:
+                removed[col] |= bits
+        if k + 1 < tiles:
+            for bits, col, row in lists[k + 1]:
+                if col == k + 1:
+                    diag[row], nonzero = bits, nonzero | (1 << row)
+    keep = [None] * count
+    for i in range(min(n, tiles_done * _TILE)):
+        k, b = divmod(i, _TILE)
+        if (tile_kept[k] >> b) & 1:
+            keep[tile_base[k] + bin(tile_kept[k] & ((1 << b) - 1)).count("1")] = i
+    assert None not in keep
+    return keep
+
+
+def _greedy_positions(sup, max_keep=None) -> list[int]:
+    return oracle.greedy_nms(range(sup.shape[0]), lambda k, i: bool(sup[k, i]), max_keep)
+
+
+def _random_sup(n, density, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(n, n, generator=g) < density).numpy()
+
+
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 127, 128, 129, 200, 333])
+@pytest.mark.parametrize("density", [0.0, 0.003, 0.05, 0.5, 1.0])
+def test_kernel_model_is_the_greedy_walk(n, density):
+    sup = _random_sup(n, density, seed=n)
+    for max_keep in (None, 1, 7, 64, 65, n):
+        assert _kernel_model(sup, max_keep, seed=n) == _greedy_positions(sup, max_keep)
+
+
+def test_kernel_model_chains_inside_and_across_tiles():
+    """i suppresses i + 1 (every row of every tile has a nonzero diagonal word but the last; the
+    decisions alternate and each depends on the previous one), plus long-range suppression
+    from the kept boxes of the first tile onto the last tiles."""
+    n = 300
+    sup = torch.zeros(n, n, dtype=torch.bool)
+    idx = torch.arange(n - 1)
+    sup[idx, idx + 1] = True
+    sup[0:64:2, 250:] = True
+    sup = sup.numpy()
+    want = _greedy_positions(sup)
+    assert want[:3] == [0, 2, 4] and max(want) < 250  # the test means something
+    for seed in range(3):
+        assert _kernel_model(sup, None, seed=seed) == want
+        assert _kernel_model(sup, 40, seed=seed) == want[:40]
+
+
+def test_kernel_model_on_detections():
+    """The suppression matrix of real clustered detections (the reference's IoU3D decisions in
+    mmcv's visiting order) through the model, against the op's reference keep list."""
+    boxes, scores = box_inputs.detections(500, seed=5, extent=30.0)
+    order = scores.sort(0, descending=True)[1]
+    r = _box3d.rects(boxes[order], _box3d.LIDAR7)
+    a = _box3d.Rects(*(t[:, None] for t in r))
+    b = _box3d.Rects(*(t[None, :] for t in r))
+    thr = _box3d.f32_nearest(0.5)
+    sup = _box3d.suppress(_box3d.pair_values(a, b, _box3d.IOU3D), thr, _box3d.IOU3D).numpy()
+    want = nms3d(boxes, scores, 0.5, backend="reference").tolist()
+    assert 100 < len(want) < 500
+    for max_keep in (None, 83):
+        got = [int(order[p]) for p in _kernel_model(sup, max_keep)]
+        assert got == want[: max_keep or len(want)]
+
+
+def test_native_workspace_size():
+    """box3d_nms_workspace_ints (the library's formula): the per-row-tile lists (16 bytes per
+    possible entry: 64 x (tiles - r) for row tile r) plus 3 int64 per tile; the limit."""
+    from tests.native_calls import load_library
+
+    lib = load_library(["box3d_nms_workspace_ints"])
+    for n in (0, 1, 64, 65, 4096, 20000):
+        t = (n + 63) // 64
+        assert (
+            int(lib["box3d_nms_workspace_ints"](n))
+            == 2 * sum(64 * (t - r) for r in range(t)) + 3 * t
+        )
+    with pytest.raises(ValueError, match="n must be in"):
+        lib["box3d_nms_workspace_ints"](3072 * 64 + 1)

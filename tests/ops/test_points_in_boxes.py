@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from mu_space.ops import _box3d
 from mu_space.ops.points_in_boxes import (
     points_in_boxes_all,
     points_in_boxes_cpu,
@@ -148,6 +149,62 @@ def test_bad_arguments_name_the_argument(points, boxes, match):
             fn(points, boxes)
 
 
+# ------------------------------------- model of the native kernels' block cull (float32, CPU)
+
+
+def _block_cull_misses(pb, lo, hi):
+    """points_in_boxes_musa.mu's box_misses for block bounds lo / hi [blocks, 2] and boxes
+    [T] -> bool [blocks, T] (float32: each subtraction rounded once, as the kernel's sub)."""
+    return (
+        ((lo[:, 0:1] - pb.cx) > pb.reach)
+        | ((hi[:, 0:1] - pb.cx) < -pb.reach)
+        | ((lo[:, 1:2] - pb.cy) > pb.reach)
+        | ((hi[:, 1:2] - pb.cy) < -pb.reach)
+    )
+
+
+@pytest.mark.parametrize("block", [1, 128, 256])  # 1: every edge point alone
+def test_block_cull_never_drops_a_near_pair(block):
+    """The kernels skip a box for a whole block when the block's x / y bounds fail its reach
+    test. Points placed on and one float32 step around every box's reach (where rounding
+    decides), inside and between ordinary frame points, NaN points, in scan (azimuth) order and
+    shuffled: no (point, box) pair that passes the kernel's first test (|x - cx| <= reach and
+    |y - cy| <= reach, rounded) is ever in a culled block; in scan order most are culled."""
+    pts, bxs = box_inputs.lidar_frame(6000, 40, seed=8)
+    pts, bxs = pts[0], bxs[0]
+    pb = _box3d.point_boxes(bxs)
+    edge = []
+    for t in range(bxs.shape[0]):
+        for sx, sy in ((1, 0), (-1, 0), (0, 1), (0, -1)):
+            for step in (-1, 0, 1):
+                x = pb.cx[t] + sx * pb.reach[t]
+                y = pb.cy[t] + sy * pb.reach[t]
+                if step:
+                    inf = torch.tensor(math.inf * step)
+                    x = torch.nextafter(x, inf) if sx else x
+                    y = torch.nextafter(y, inf) if sy else y
+                edge.append(torch.stack([x, y, pb.zc[t]]))
+    edge = torch.stack(edge)
+    nan = torch.tensor([[math.nan, 1.0, 0.0], [2.0, math.nan, 0.0]])
+    g = torch.Generator().manual_seed(block)
+    cloud = torch.cat([pts, edge, nan])
+    scan = cloud[torch.atan2(cloud[:, 1], cloud[:, 0]).nan_to_num(0.0).argsort()]  # azimuth order
+    culled = []
+    for points in (scan, cloud[torch.randperm(cloud.shape[0], generator=g)]):
+        M = points.shape[0] // block * block
+        blocks = points[:M].view(-1, block, 3)
+        xy = blocks[:, :, :2]
+        lo = torch.where(xy.isnan(), math.inf, xy).amin(1)  # fminf: NaN left out
+        hi = torch.where(xy.isnan(), -math.inf, xy).amax(1)
+        misses = _block_cull_misses(pb, lo, hi)  # [blocks, T]
+        x, y = blocks[:, :, 0:1], blocks[:, :, 1:2]  # [blocks, block, 1]
+        near = ((x - pb.cx).abs() <= pb.reach) & ((y - pb.cy).abs() <= pb.reach)
+        assert near.any()
+        assert not (near & misses[:, None, :]).any()
+        culled.append(float(misses.float().mean()))
+    assert culled[0] > 0.5  # a spinning LiDAR's scan order: most (block, box) pairs skipped
+
+
 # ------------------------------------------------------------------------------ native (GPU)
 
 
@@ -166,3 +223,21 @@ def test_native_many_boxes_and_tiles():
     pts, bxs = pts.to(device), bxs.to(device)
     for fn in (points_in_boxes_part, points_in_boxes_all):
         assert torch.equal(fn(pts, bxs, backend="native"), fn(pts, bxs, backend="reference"))
+
+
+def test_native_scan_order_block_cull():
+    """Points in a spinning LiDAR's azimuth order (the kernels' block cull skips most boxes),
+    NaN / inf points among them, 200 boxes (the all kernel's last box tile is 8 wide), 3
+    frames; every dtype's native result is the reference's."""
+    device = native_gpu_device()
+    pts, bxs = box_inputs.lidar_frame(30000, 200, batch=3, seed=12)
+    az = torch.atan2(pts[..., 1], pts[..., 0])
+    pts = pts.gather(1, az.argsort(1)[..., None].expand_as(pts)).contiguous()
+    pts[0, 5000, 0] = math.nan
+    pts[1, 7000, 1] = math.inf
+    pts[2, 100:300, 2] = math.nan
+    pts, bxs = pts.to(device), bxs.to(device)
+    for dtype in (torch.float32, torch.float16):
+        p, b = pts.to(dtype), bxs.to(dtype)
+        for fn in (points_in_boxes_part, points_in_boxes_all):
+            assert torch.equal(fn(p, b, backend="native"), fn(p, b, backend="reference"))
