@@ -296,7 +296,8 @@ class Case:
     bandwidth case). When reference is given, fn and reference run on the same arguments (fn
     first) and check(out, ref_out) (default: close_check(op)) must pass before the case is
     timed. timer(fn, make_args, settings) -> Timing replaces the harness's device timing (e.g.
-    `time_host` for host overhead); the reference is timed the same way.
+    `time_host` for host overhead); the reference is timed the same way. skip: why this case
+    cannot run here (recorded with status "skipped", neither checked nor timed; not a failure).
     """
 
     name: str
@@ -311,6 +312,7 @@ class Case:
     check: Callable[[Any, Any], None] | None = None
     time_reference: bool = True
     timer: Callable[[Callable, Callable, dict], Timing] | None = None
+    skip: str = ""
 
     def __post_init__(self):
         if self.check is not None and self.reference is None:
@@ -460,6 +462,9 @@ def _time_reference(case: Case, settings: dict, record: dict) -> None:
 def run_case(case: Case, settings: dict, copy_bw: float | None) -> dict:
     """Check, then time one case. Failures are recorded in the dict, never raised."""
     record = _empty_record(case)
+    if case.skip:
+        record.update(status="skipped", error=case.skip)
+        return record
     try:
         record["checked"] = check_case(case)
     except Exception as exc:
@@ -509,8 +514,8 @@ def run_cases(
 
 
 def exit_status(records: list[dict]) -> int:
-    """0 when every case passed its check and was timed, 1 otherwise."""
-    return 0 if all(r["status"] == "ok" for r in records) else 1
+    """0 when every case passed its check and was timed (or was skipped), 1 otherwise."""
+    return 0 if all(r["status"] in ("ok", "skipped") for r in records) else 1
 
 
 # --------------------------------------------------------------------------- environment
@@ -678,7 +683,9 @@ def format_table(records: list[dict]) -> str:
     rows = [header]
     for r in records:
         note = "" if r.get("checked") else "unchecked"
-        if r.get("status") != "ok":
+        if r.get("status") == "skipped":
+            note = "skipped: " + " ".join(str(r.get("error")).split())[:200]
+        elif r.get("status") != "ok":
             note = "FAILED: " + " ".join(str(r.get("error")).split())[:200]
         rows.append(
             (
@@ -783,7 +790,7 @@ def run_benchmark(
         }
         write_results(result_stem(bench_name, args), records, out_dir, metadata, copy_bw, verdicts)
     print_verdicts(verdicts)
-    failed = [r["name"] for r in records if r["status"] != "ok"]
+    failed = [r["name"] for r in records if r["status"] not in ("ok", "skipped")]
     if failed:
         print(f"{len(failed)} case(s) failed: {', '.join(failed)}", file=sys.stderr)
     return exit_status(records)
