@@ -20,7 +20,11 @@ float32, float16 and bfloat16.
   the fresh .grad. CUDA events around it: the host work of the autograd engine and of the op
   layer before the first launch is inside (the backward cases above time torch.autograd.grad,
   which accumulates nothing). Issue-13 target: <= 40 us. Skipped with --graph (the engine runs
-  the backward on the forward's stream, outside any capture).
+  the backward on the forward's stream, outside any capture). The harness queues a GPU sleep
+  before each timed call, so the host runs ahead and the events time the device only.
+- backward-autograd-idle (float32): the same call with the device idle when it starts (no
+  sleep queued): the host work before the first launch (autograd engine, op layer) is inside,
+  as in a host-bound step; minus backward-autograd it is the host latency autograd adds.
 - view-transform-padded: `bev_pool_prepare_padded` + `bev_pool_v2` (no host synchronisation;
   the pooling walks all n frustum points, the padding's indices only read); reference: the
   reference prepare + reference pooling, unpadded.
@@ -243,6 +247,20 @@ def view_transform_cases(name: str, cfg, dtype: torch.dtype) -> list[Case]:
     ]
 
 
+def _idle_device_timer(fn, make_args, settings):
+    """harness.time_gpu without the queued GPU sleep (the CPU smoke run: time_cpu)."""
+    if not harness.gpu_available():
+        return harness.time_cpu(fn, make_args, reps=settings["reps"], warmup=settings["warmup"])
+    return harness.time_gpu(
+        fn,
+        make_args,
+        reps=settings["reps"],
+        warmup=settings["warmup"],
+        flush=settings["flush"],
+        spacer=False,
+    )
+
+
 def backward_into_grad(out: torch.Tensor, leaves: tuple, grad_out: torch.Tensor) -> tuple:
     """loss.backward() as a training step runs it: .grad reset to None, out.backward(grad_out)
     (the graph kept for the next repetition), the accumulated gradients returned."""
@@ -341,6 +359,26 @@ def cases_for(
                 skip=autograd_backward,
             )
         )
+        if dtype == torch.float32:
+            cases.append(
+                Case(
+                    name=f"{name}-backward-autograd-idle-{dt}",
+                    op="bev_pool_v2",
+                    direction="backward",
+                    dtype=dtype,
+                    params={
+                        **params,
+                        "mode": "loss.backward() into fresh .grad, device idle at the call",
+                    },
+                    compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
+                    fn=backward_into_grad,
+                    make_args=backward_args(args, grad, be),
+                    reference=reference_backward,
+                    time_reference=False,
+                    timer=_idle_device_timer,
+                    skip=autograd_backward,
+                )
+            )
     if deterministic_backward:
         cases.append(
             Case(

@@ -170,13 +170,16 @@ def time_gpu(
     n_arg_sets: int | None = None,
     flush: bool = True,
     graph: bool = False,
+    spacer: bool = True,
 ) -> Timing:
     """Time single calls of fn(*args) with CUDA events on the current device and stream.
 
     make_args() returns the positional arguments (a tuple, or one non-tuple argument). The
     calls rotate over n_arg_sets argument sets. With flush, L2 is flushed before every rep,
     outside the event pair; then a GPU sleep is queued so the host enqueues the call before the
-    device reaches it. With graph, fn is captured once per set and the replays are timed.
+    device reaches it (spacer=False: none, so the device idles until the host's first launch,
+    and the host work before it is inside the timing). With graph, fn is captured once per set
+    and the replays are timed.
     """
     device = torch.device("cuda", torch.cuda.current_device())
     arg_sets = _make_arg_sets(make_args, n_arg_sets, flush, device)
@@ -193,7 +196,10 @@ def time_gpu(
     for i, (start, end) in enumerate(events):
         if flush:
             flush_l2(device)
-        _gpu_spacer()
+        if spacer:
+            _gpu_spacer()
+        else:
+            torch.cuda.synchronize(device)  # the device idle when the call starts
         start.record()
         call(i)
         end.record()
