@@ -14,6 +14,24 @@ float32, float16 and bfloat16.
   `-det` cases: the deterministic mode, under `torch.use_deterministic_algorithms(True)` (adds
   sort_by_cell(ranks_feat), which synchronises with the host once, a channels-last copy of
   grad_out and the sorted kernel).
+- backward-autograd: the backward as a model runs it, `loss.backward()`: the leaves' .grad set
+  to None (`zero_grad()`), then `out.backward(grad_out)` (loss.backward() for loss =
+  (out * grad_out).sum(), less that loss's own elementwise node), the gradients accumulated into
+  the fresh .grad. CUDA events around it: the host work of the autograd engine and of the op
+  layer before the first launch is inside (the backward cases above time torch.autograd.grad,
+  which accumulates nothing). Issue-13 target: <= 40 us. Skipped with --graph (the engine runs
+  the backward on the forward's stream, outside any capture). The harness queues a GPU sleep
+  before each timed call, so the host runs ahead and the events time the device only.
+- backward-autograd-idle (float32): the same call with the device idle when it starts (no
+  sleep queued): the host work before the first launch (autograd engine, op layer) is inside,
+  as in a host-bound step; minus backward-autograd it is the host latency autograd adds.
+- view-transform-padded: `bev_pool_prepare_padded` + `bev_pool_v2` (no host synchronisation;
+  the pooling walks all n frustum points, the padding's indices only read); reference: the
+  reference prepare + reference pooling, unpadded.
+- view-transform-graph: the same view transform captured in one `torch.cuda.CUDAGraph` and
+  replayed (`harness.time_gpu(graph=True)`, L2 flushed before each replay). The unpadded
+  `bev_pool_prepare` cannot be captured: it reads two counts back to the host (a
+  synchronisation). Skipped without a CUDA GPU.
 - prepare-forward: `bev_pool_prepare(coor, ...)` then `bev_pool_v2(depth, feat,
   *ranks.bev_pool_v2_args(shape))`, what a model runs per forward in place of BEVDet's torch
   prepare + kernel (issue-3 target: <= 40 us); reference: the reference prepare + reference
@@ -40,7 +58,11 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import Case, Target
-from mu_space.ops.bev_pool_prepare import bev_pool_prepare, bev_pool_prepare_reference
+from mu_space.ops.bev_pool_prepare import (
+    bev_pool_prepare,
+    bev_pool_prepare_padded,
+    bev_pool_prepare_reference,
+)
 from mu_space.ops.bev_pool_v2 import bev_pool_v2, bev_pool_v2_backward_reference
 from mu_space.testing import bev_geometry
 
@@ -53,6 +75,13 @@ TARGETS = (
     Target(rf"{_BEVDET}-forward-float32", "median_us", "<=", 7.5, "issue 3 (BEVDet: 73-76 us)"),
     Target(rf"{_BEVDET}-forward-float16", "median_us", "<=", 6.0, "issue 3"),
     Target(rf"{_BEVDET}-backward-float32", "median_us", "<=", 30.0, "issue 3 (BEVDet: 418-611 us)"),
+    Target(
+        rf"{_BEVDET}-backward-autograd-float32",
+        "median_us",
+        "<=",
+        40.0,
+        "issue 13 (through autograd; BEVDet's Function.backward: 415-649 us)",
+    ),
     Target(
         rf"{_BEVDET}-prepare-forward-float32",
         "median_us",
@@ -141,6 +170,106 @@ def prepare_forward_case(name: str, cfg, dtype: torch.dtype) -> Case:
     )
 
 
+def view_transform_cases(name: str, cfg, dtype: torch.dtype) -> list[Case]:
+    """prepare (padded: no host sync) + bev_pool_v2, eager and captured in one CUDA graph."""
+    g = geometry(cfg)
+    depth, feat = inputs(cfg, dtype)[:2]
+    shape = g["bev_feat_shape"]
+    grid = (g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
+    B, Z, Y, X, C = shape
+    be = harness.backend()
+
+    def padded():
+        ranks = bev_pool_prepare_padded(g["coor"], *grid, backend=be)
+        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend=be)
+
+    def reference():
+        ranks = bev_pool_prepare_reference(g["coor"], *grid)
+        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend="reference")
+
+    def graph_timer(fn, make_args, settings):
+        return harness.time_gpu(
+            fn,
+            make_args,
+            reps=settings["reps"],
+            warmup=settings["warmup"],
+            flush=settings["flush"],
+            graph=True,
+        )
+
+    params = {
+        "config": getattr(cfg, "name", cfg),
+        "C": C,
+        "bev_feat_shape": list(shape),
+        "n_frustum_points": int(g["coor"].numel() // 3),
+    }
+    nbytes = (
+        _nbytes(g["coor"])
+        + _nbytes(depth)
+        + _nbytes(feat)
+        + B * Z * Y * X * C * feat.element_size()
+    )
+    dt = harness.dtype_name(dtype)
+    graph_skip = (
+        ""
+        if harness.native_available()
+        else "CUDA-graph capture needs a CUDA GPU with the native library"
+    )
+    return [
+        Case(
+            name=f"{name}-view-transform-padded-{dt}",
+            op="bev_pool_v2",
+            direction="forward",
+            dtype=dtype,
+            params={**params, "mode": "bev_pool_prepare_padded + bev_pool_v2, eager"},
+            compulsory_bytes=nbytes,
+            fn=padded,
+            make_args=lambda: (),
+            reference=reference,
+        ),
+        Case(
+            name=f"{name}-view-transform-graph-{dt}",
+            op="bev_pool_v2",
+            direction="forward",
+            dtype=dtype,
+            params={
+                **params,
+                "mode": "bev_pool_prepare_padded + bev_pool_v2 in one CUDA graph, replayed",
+            },
+            compulsory_bytes=nbytes,
+            fn=padded,
+            make_args=lambda: (),
+            reference=reference,
+            time_reference=False,
+            timer=graph_timer,
+            skip=graph_skip,
+        ),
+    ]
+
+
+def _idle_device_timer(fn, make_args, settings):
+    """harness.time_gpu without the queued GPU sleep (the CPU smoke run: time_cpu)."""
+    if not harness.gpu_available():
+        return harness.time_cpu(fn, make_args, reps=settings["reps"], warmup=settings["warmup"])
+    return harness.time_gpu(
+        fn,
+        make_args,
+        reps=settings["reps"],
+        warmup=settings["warmup"],
+        flush=settings["flush"],
+        spacer=False,
+    )
+
+
+def backward_into_grad(out: torch.Tensor, leaves: tuple, grad_out: torch.Tensor) -> tuple:
+    """loss.backward() as a training step runs it: .grad reset to None, out.backward(grad_out)
+    (the graph kept for the next repetition), the accumulated gradients returned."""
+    for t in leaves:
+        t.grad = None
+    out.backward(grad_out, retain_graph=True)
+    return tuple(t.grad for t in leaves)
+
+
 def backward_args(args: tuple, grad_out: torch.Tensor, backend: str):
     """make_args of a backward case: (out, (depth, feat) leaves, grad_out), through autograd."""
     depth, feat, rd, rf, rb, shape, starts, lengths = args
@@ -156,8 +285,15 @@ def _nbytes(t) -> int:
 
 
 def cases_for(
-    name: str, args: tuple, dtype: torch.dtype, params: dict, deterministic_backward: bool = True
+    name: str,
+    args: tuple,
+    dtype: torch.dtype,
+    params: dict,
+    deterministic_backward: bool = True,
+    autograd_backward: str | None = None,
 ) -> list[Case]:
+    """forward, backward, backward-det; backward-autograd unless autograd_backward is None (""
+    to run it, else why it is skipped)."""
     depth, feat, rd, rf, rb, shape, starts, lengths = args
     B, Z, Y, X, C = shape
     es = feat.element_size()
@@ -204,6 +340,45 @@ def cases_for(
             reference=reference_backward,
         ),
     ]
+    if autograd_backward is not None:
+        cases.append(
+            Case(
+                name=f"{name}-backward-autograd-{dt}",
+                op="bev_pool_v2",
+                direction="backward",
+                dtype=dtype,
+                params={
+                    **params,
+                    "mode": "loss.backward(): out.backward(grad_out) into fresh .grad",
+                },
+                compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
+                fn=backward_into_grad,
+                make_args=backward_args(args, grad, be),
+                reference=reference_backward,
+                time_reference=False,
+                skip=autograd_backward,
+            )
+        )
+        if dtype == torch.float32:
+            cases.append(
+                Case(
+                    name=f"{name}-backward-autograd-idle-{dt}",
+                    op="bev_pool_v2",
+                    direction="backward",
+                    dtype=dtype,
+                    params={
+                        **params,
+                        "mode": "loss.backward() into fresh .grad, device idle at the call",
+                    },
+                    compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
+                    fn=backward_into_grad,
+                    make_args=backward_args(args, grad, be),
+                    reference=reference_backward,
+                    time_reference=False,
+                    timer=_idle_device_timer,
+                    skip=autograd_backward,
+                )
+            )
     if deterministic_backward:
         cases.append(
             Case(
@@ -250,9 +425,17 @@ def build_cases(args) -> list[Case]:
                 dtype,
                 {"config": getattr(cfg, "name", cfg)},
                 deterministic_backward=not args.graph,
+                autograd_backward=(
+                    "the autograd engine runs the backward on the forward's stream, outside "
+                    "the capture: time it eagerly"
+                    if args.graph
+                    else ""
+                ),
             )
-            if dtype != torch.bfloat16 and not args.graph:  # prepare reads one count back
-                cases.append(prepare_forward_case(name, cfg, dtype))
+            if dtype != torch.bfloat16:
+                if not args.graph:  # prepare reads one count back
+                    cases.append(prepare_forward_case(name, cfg, dtype))
+                cases += view_transform_cases(name, cfg, dtype)
     if args.quick:
         return cases
     for cameras, step, batch in SMOKE_SWEEP if args.smoke else SWEEP:

@@ -170,13 +170,16 @@ def time_gpu(
     n_arg_sets: int | None = None,
     flush: bool = True,
     graph: bool = False,
+    spacer: bool = True,
 ) -> Timing:
     """Time single calls of fn(*args) with CUDA events on the current device and stream.
 
     make_args() returns the positional arguments (a tuple, or one non-tuple argument). The
     calls rotate over n_arg_sets argument sets. With flush, L2 is flushed before every rep,
     outside the event pair; then a GPU sleep is queued so the host enqueues the call before the
-    device reaches it. With graph, fn is captured once per set and the replays are timed.
+    device reaches it (spacer=False: none, so the device idles until the host's first launch,
+    and the host work before it is inside the timing). With graph, fn is captured once per set
+    and the replays are timed.
     """
     device = torch.device("cuda", torch.cuda.current_device())
     arg_sets = _make_arg_sets(make_args, n_arg_sets, flush, device)
@@ -193,7 +196,10 @@ def time_gpu(
     for i, (start, end) in enumerate(events):
         if flush:
             flush_l2(device)
-        _gpu_spacer()
+        if spacer:
+            _gpu_spacer()
+        else:
+            torch.cuda.synchronize(device)  # the device idle when the call starts
         start.record()
         call(i)
         end.record()
@@ -296,7 +302,8 @@ class Case:
     bandwidth case). When reference is given, fn and reference run on the same arguments (fn
     first) and check(out, ref_out) (default: close_check(op)) must pass before the case is
     timed. timer(fn, make_args, settings) -> Timing replaces the harness's device timing (e.g.
-    `time_host` for host overhead); the reference is timed the same way.
+    `time_host` for host overhead); the reference is timed the same way. skip: why this case
+    cannot run here (recorded with status "skipped", neither checked nor timed; not a failure).
     """
 
     name: str
@@ -311,6 +318,7 @@ class Case:
     check: Callable[[Any, Any], None] | None = None
     time_reference: bool = True
     timer: Callable[[Callable, Callable, dict], Timing] | None = None
+    skip: str = ""
 
     def __post_init__(self):
         if self.check is not None and self.reference is None:
@@ -460,6 +468,9 @@ def _time_reference(case: Case, settings: dict, record: dict) -> None:
 def run_case(case: Case, settings: dict, copy_bw: float | None) -> dict:
     """Check, then time one case. Failures are recorded in the dict, never raised."""
     record = _empty_record(case)
+    if case.skip:
+        record.update(status="skipped", error=case.skip)
+        return record
     try:
         record["checked"] = check_case(case)
     except Exception as exc:
@@ -509,8 +520,8 @@ def run_cases(
 
 
 def exit_status(records: list[dict]) -> int:
-    """0 when every case passed its check and was timed, 1 otherwise."""
-    return 0 if all(r["status"] == "ok" for r in records) else 1
+    """0 when every case passed its check and was timed (or was skipped), 1 otherwise."""
+    return 0 if all(r["status"] in ("ok", "skipped") for r in records) else 1
 
 
 # --------------------------------------------------------------------------- environment
@@ -678,7 +689,9 @@ def format_table(records: list[dict]) -> str:
     rows = [header]
     for r in records:
         note = "" if r.get("checked") else "unchecked"
-        if r.get("status") != "ok":
+        if r.get("status") == "skipped":
+            note = "skipped: " + " ".join(str(r.get("error")).split())[:200]
+        elif r.get("status") != "ok":
             note = "FAILED: " + " ".join(str(r.get("error")).split())[:200]
         rows.append(
             (
@@ -783,7 +796,7 @@ def run_benchmark(
         }
         write_results(result_stem(bench_name, args), records, out_dir, metadata, copy_bw, verdicts)
     print_verdicts(verdicts)
-    failed = [r["name"] for r in records if r["status"] != "ok"]
+    failed = [r["name"] for r in records if r["status"] not in ("ok", "skipped")]
     if failed:
         print(f"{len(failed)} case(s) failed: {', '.join(failed)}", file=sys.stderr)
     return exit_status(records)

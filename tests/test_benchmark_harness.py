@@ -194,6 +194,20 @@ def test_default_check_catches_mismatch_and_errors():
     assert records[2]["checked"] is False and records[2]["speedup_vs_reference"] is None
 
 
+def test_skipped_case_is_neither_run_nor_a_failure():
+    def never(x):
+        raise AssertionError("a skipped case ran")
+
+    case = make_case("graph-only", fn=never, reference=never, skip="needs a CUDA GPU")
+    (rec,) = harness.run_cases([case], args=parse("--reps", "3", "--warmup", "0"), copy_bw=1.0)
+    assert rec["status"] == "skipped" and rec["error"] == "needs a CUDA GPU"
+    assert rec["median_us"] is None and rec["checked"] is False
+    assert harness.exit_status([rec]) == 0
+    assert "skipped: needs a CUDA GPU" in harness.format_table([rec])
+    failed = make_case("bad", fn=never, reference=lambda x: x)
+    assert harness.exit_status(harness.run_cases([failed], args=parse(), copy_bw=1.0)) == 1
+
+
 def test_check_without_reference_is_rejected():
     with pytest.raises(ValueError, match="without a reference"):
         make_case(check=lambda out, ref: None)
@@ -502,8 +516,10 @@ def test_smoke_run_on_the_cpu(bench, tmp_path, capsys):
     (path,) = tmp_path.glob("*.json")
     assert path.name == f"{bench}.smoke.json"
     doc = json.loads(path.read_text())
-    assert doc["results"] and all(r["status"] == "ok" for r in doc["results"])
-    assert all(r["mode"] in ("cpu", "host") for r in doc["results"])
+    ran = [r for r in doc["results"] if r["status"] != "skipped"]  # (CUDA-only cases say why)
+    assert ran and all(r["status"] == "ok" for r in ran)
+    assert all(r["error"] for r in doc["results"] if r["status"] == "skipped")
+    assert all(r["mode"] in ("cpu", "host") for r in ran)
     assert len(doc["targets"]) == len(
         harness.evaluate_targets(doc["results"], getattr(module, "TARGETS", ()))
     )

@@ -89,9 +89,15 @@ def _leaves(op, sample):
     ]
 
 
-def _forward_backward(op, sample, backend):
+def _forward_backward(op, sample, backend, through_custom_op=False):
+    """The sample's output and gradients through the public call (its eager autograd path), or
+    through the custom op's `register_autograd` (what compiled graphs and torch.ops run)."""
     args = _leaves(op, sample)
-    out = op.api(*args, **sample.kwargs, backend=backend)
+    if through_custom_op:
+        schema_args = op.capture_schema_args(*args, **sample.kwargs)
+        out = op._wrap(op.custom_op(*schema_args, backend))
+    else:
+        out = op.api(*args, **sample.kwargs, backend=backend)
     outs = _tensors(out)
     gen = torch.Generator().manual_seed(7)
     weights = [torch.randn(o.shape, generator=gen).to(o) for o in outs]
@@ -147,6 +153,59 @@ def test_schema_args_are_what_the_public_api_passes():
     s = samples(op, torch.device("cpu"))[0]
     args = op.capture_schema_args(*s.args)
     assert len(args) == len(op.arg_names) and isinstance(args[5], list)
+
+
+def _grad_samples(ops):
+    return [
+        pytest.param(op, i, id=f"{op.name}-{i}")
+        for op in ops
+        for i, s in enumerate(samples(op, torch.device("cpu")))
+        if s.grad
+    ]
+
+
+KERNEL_OPS_WITH_BACKWARD = [op for op in KERNEL_OPS if op.backward is not None]
+
+
+@pytest.mark.parametrize(("op", "index"), _grad_samples(KERNEL_OPS_WITH_BACKWARD))
+def test_eager_autograd_path_matches_the_custom_ops_autograd(op, index, monkeypatch):
+    """The public call with inputs that require grad skips the dispatcher (_opdef's eager
+    autograd path) and gives what the custom op's register_autograd gives, bit for bit, with
+    the same dispatch records (forward and backward)."""
+    s = samples(op, torch.device("cpu"))[index]
+    kernel_dispatch.reset()
+    want, want_g = _forward_backward(op, s, "reference", through_custom_op=True)
+    want_records = kernel_dispatch.records()
+    custom_op = op.custom_op
+    calls = []
+    monkeypatch.setattr(op, "custom_op", lambda *a: calls.append(a) or custom_op(*a))
+    kernel_dispatch.reset()
+    got, got_g = _forward_backward(op, s, "reference")
+    assert not calls, f"{op.name}: the public call went through the dispatcher"
+    assert kernel_dispatch.records() == want_records
+    assert any(r["op"] == op.backward_name for r in want_records), want_records
+    for a, b in zip((*_tensors(got), *got_g), (*_tensors(want), *want_g)):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), op.name
+
+
+def test_eager_autograd_path_leaves_transforms_and_modes_to_the_dispatcher():
+    """FakeTensorMode (like make_fx and torch.func) acts in the dispatcher: there the public
+    call takes the custom op (its fake), not the eager path (which would run the reference on
+    fake tensors). A second derivative is refused clearly, as the custom op refuses it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = registry.get("bev_pool_v2")
+    s = samples(op, torch.device("cpu"))[0]
+    leaves = _leaves(op, s)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in leaves]
+        out = op.api(*fake)
+        out.sum().backward()
+        assert fake[0].grad.shape == fake[0].shape and fake[1].grad.shape == fake[1].shape
+    out = op.api(*leaves)
+    (g,) = torch.autograd.grad(out.square().sum(), leaves[1], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
 
 
 # ------------------------------------------------------------------ reference path (CPU)

@@ -45,6 +45,17 @@ _LABELS = ("B", "Z", "Y", "X", "C")
 def bev_feat_shape(value, name: str = "bev_feat_shape") -> Grid:
     """The one parser of `bev_feat_shape`: 5 integers (B, Z, Y, X, C), each an int or a 0-d
     integer tensor (a 1-D integer tensor of 5 works too; one on a GPU costs a sync)."""
+    if type(value) in (list, tuple, Grid) and len(value) == 5:  # the common case, per call
+        b, z, y, x, c = value
+        if (
+            type(b) is int
+            and type(z) is int
+            and type(y) is int
+            and type(x) is int
+            and type(c) is int
+            and min(value) >= 0
+        ):
+            return value if type(value) is Grid else Grid(b, z, y, x, c)
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be 5 integers (B, Z, Y, X, C), got {value!r}")
     try:

@@ -19,7 +19,8 @@ From that definition this module makes:
   (from the shapes `check` returns, or `OpDef.fake` for data-dependent sizes) and, when the op has
   a backward, `register_autograd` with a real op `mu_space::my_op_backward`;
 - the eager fast path: calls that need no gradient and are not being compiled skip the torch
-  dispatcher and run the implementation directly;
+  dispatcher and run the implementation directly; calls that need one take the eager autograd
+  path (`_autograd_function`), which skips it in forward and backward;
 - the backend choice with its recorded reason (`mu_space.runtime.kernel_dispatch`): native when
   the library runs on the tensors' device, has the op's entry points, supports the dtype (bf16 is
   a build fact) and `OpDef.supports` accepts the sizes (limits from the library's build facts);
@@ -170,8 +171,11 @@ class Operator:
         self._autograd_index = () if d.composite else self.grad_index
         self.custom_op = None
         self.backward_op = None
+        self._function = None  # the eager autograd path (a torch.autograd.Function)
         if not d.composite:
             self._define_custom_ops()
+            if d.backward is not None:
+                self._function = _autograd_function(self)
 
     # ------------------------------------------------------------------ calling
 
@@ -185,9 +189,16 @@ class Operator:
         if self._autograd_index and torch.is_grad_enabled():
             for i in self._autograd_index:
                 if getattr(args[i], "requires_grad", False):
-                    return self._wrap(self.custom_op(*args, backend))
+                    if self._function is None or _dispatcher_needed():
+                        return self._wrap(self.custom_op(*args, backend))
+                    # the eager autograd path: no dispatcher in forward or backward
+                    out = self._function.fast_apply(backend, *args)
+                    return out if self._result is None else self._result(*out)
         # the eager path: no dispatcher
-        c = self._check(*args)
+        return self._eager(self._check(*args), args, backend)
+
+    def _eager(self, c: Checked, args: tuple, backend: str, wrap: bool = True):
+        """Choose, record and run the forward of checked arguments (the eager paths)."""
         # (logged calls take the recording path; the flag is read directly, not through a call)
         if (
             backend == "auto"
@@ -199,7 +210,7 @@ class Operator:
             if cell is not None and (self._supports is None or self._supports(c) is None):
                 cell[0] += 1
                 out = self._native(c, *args)
-                return out if self._result is None else self._result(*out)
+                return out if self._result is None or not wrap else self._result(*out)
         reason = self._reason_for(backend, c)
         if kernel_dispatch.decide(self.name, backend, c.device, reason):
             if backend == "auto" and not kernel_dispatch._log_enabled:
@@ -209,7 +220,7 @@ class Operator:
             out = self._native(c, *args)
         else:
             out = self._reference(*args)
-        return out if self._result is None else self._result(*out)
+        return out if self._result is None or not wrap else self._result(*out)
 
     def _wrap(self, out):
         return out if self._result is None else self._result(*out)
@@ -353,10 +364,13 @@ class Operator:
                 result[i] = got[k]
         return tuple(result)
 
-    def run_backward(self, grads, args, needs, deterministic: bool, backend: str) -> list:
-        """One gradient per differentiable input (None where not needed)."""
+    def run_backward(
+        self, grads, args, needs, deterministic: bool, backend: str, checked: Checked | None = None
+    ) -> list:
+        """One gradient per differentiable input (None where not needed). `checked`: the
+        forward's check of these same arguments (the eager autograd path), else checked here."""
         grad_out = grads[0] if len(grads) == 1 else grads
-        c = self.d.check(*args)
+        c = self.d.check(*args) if checked is None else checked
         reason = self._reason_for(backend, c)
         use = kernel_dispatch.decide(self.backward_name, backend, c.device, reason)
         b = self.d.backward
@@ -415,6 +429,69 @@ class Operator:
         if item == "d":
             raise AttributeError(item)
         return getattr(self.d, item)
+
+
+def _dispatcher_needed() -> bool:
+    """Whether a call must go through the custom op although eager: torch.func transforms and
+    dispatch modes (FakeTensorMode, make_fx, ...) act in the dispatcher."""
+    return torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def _autograd_function(op: Operator) -> type:
+    """The eager autograd path of a kernel op with a backward: a torch.autograd.Function whose
+    forward and backward call the implementations directly. The custom op's autograd (what
+    torch.compile and torch.ops callers get) costs ~2.7x its host time (docs/architecture.md):
+    dispatcher round trips for the forward and the backward op, their autograd kernels and
+    schema handling. Same choice, records, check (done once: the saved inputs cannot change
+    without autograd's version check raising) and gradients as `register_autograd`'s."""
+    parsed = torch._C.parse_schema(f"mu_space::_probe{op.d.schema}")
+    saved = tuple(
+        i for i, a in enumerate(parsed.arguments) if str(a.type) in ("Tensor", "Optional[Tensor]")
+    )
+    n_args = len(op.arg_names)
+    grad_index = op.grad_index
+
+    def forward(ctx, backend, *args):
+        c = op._check(*args)
+        out = op._eager(c, args, backend, wrap=False)
+        ctx.save_for_backward(*(args[i] for i in saved))
+        others = list(args)
+        for i in saved:
+            others[i] = None
+        ctx.others, ctx.checked, ctx.backend = others, c, backend
+        return tuple(out) if isinstance(out, tuple) else out
+
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: the native backward is not differentiable
+            return once(ctx, *grads)
+        args = list(ctx.others)  # (a copy: ctx must not keep the saved tensors alive)
+        for i, t in zip(saved, ctx.saved_tensors):
+            args[i] = t
+        needs = ctx.needs_input_grad
+        needs = [bool(needs[i + 1]) for i in grad_index]
+        got = op.run_backward(
+            grads,
+            tuple(args),
+            needs,
+            torch.are_deterministic_algorithms_enabled(),
+            ctx.backend,
+            ctx.checked,
+        )
+        result = [None] * (n_args + 1)
+        for k, i in enumerate(grad_index):
+            result[i + 1] = got[k]
+        return tuple(result)
+
+    once = torch.autograd.function.once_differentiable(backward)
+    fn = type(
+        f"{op.name}_autograd",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(backward)},
+    )
+    # Function.apply without its Python wrapper (argument binding for setup_context, which this
+    # Function has none of; unwrapping dead torch.func wrappers): the C++ apply, ~1 us less
+    fn.fast_apply = super(torch.autograd.Function, fn).apply
+    return fn
 
 
 def _traced_choice(op: str, backend: str, device: str, dtype: str, dtype_arg: str) -> bool:

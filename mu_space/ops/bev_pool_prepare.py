@@ -12,7 +12,16 @@ buffer that the host polls (bounded spin, then a blocking event wait), so the ho
 while the GPU still runs the ORDER stage, and the outputs come back stream-ordered behind it.
 A workspace is kept per (device, stream, thread) and left clean by every call, so the zeroing
 launch runs only on first use. The op is not CUDA-graph capturable; prepare the ranks outside a
-captured region (as BEVDet's `init_acceleration_v2` does for a fixed rig).
+captured region (as BEVDet's `init_acceleration_v2` does for a fixed rig), or use
+`bev_pool_prepare_padded`.
+
+`bev_pool_prepare_padded`: the same two stages with no read-back, into outputs of upper-bound
+sizes (n points, min(n, cells) intervals) whose tails are padding the pooling skips, and the two
+counts as a device tensor: no host synchronisation, so prepare + bev_pool_v2 of a view transform
+can be captured in one CUDA graph. The padding is written by torch fills before the kernels
+(which write only the first n_kept / n_intervals entries), and each call has a workspace of its
+own (zeroed by the COUNT stage: one launch more than bev_pool_prepare; nothing is shared with
+other calls, streams or captured graphs).
 """
 
 from __future__ import annotations
@@ -62,6 +71,21 @@ class BEVPoolRanks(NamedTuple):
             self.interval_starts,
             self.interval_lengths,
         )
+
+
+class BEVPoolRanksPadded(NamedTuple):
+    """`bev_pool_prepare_padded`'s outputs: BEVPoolRanks in upper-bound sizes (int32 1-D; the
+    first counts[0] / counts[1] entries are bev_pool_prepare's, the rest padding) and counts,
+    int32 [2] = (n_kept, n_intervals) on the device."""
+
+    ranks_bev: torch.Tensor
+    ranks_depth: torch.Tensor
+    ranks_feat: torch.Tensor
+    interval_starts: torch.Tensor
+    interval_lengths: torch.Tensor
+    counts: torch.Tensor
+
+    bev_pool_v2_args = BEVPoolRanks.bev_pool_v2_args
 
 
 class CellSort(NamedTuple):
@@ -263,6 +287,45 @@ def sort_by_cell_reference(cell: torch.Tensor, n_cells: int) -> CellSort:
     return CellSort(idx[perm].to(torch.int32), starts, lengths)
 
 
+def _check_pad_keys(n: int, n_cells: int) -> None:
+    if n + n_cells > INT32_MAX + 1:
+        raise ValueError(
+            f"coor: {n} points + {n_cells} cells exceed 2**31: the padded ranks_bev needs "
+            f"a distinct int32 key >= the cell count for every point (use bev_pool_prepare)"
+        )
+
+
+def _padding(device, n: int, cap: int) -> tuple:
+    """Outputs that hold only padding: ranks_bev[p] = 2**31 - n + p (distinct, ascending, not
+    a cell: a sorted run of length 1 each, dropped by the pooling, with no long run to walk),
+    ranks_depth = ranks_feat = -1 (a bad point: nothing gathered, nothing added in the
+    backward), interval_starts = interval_lengths = 0 (an empty interval: skipped)."""
+    base = INT32_MAX + 1 - n
+    return (
+        torch.arange(base, base + n, dtype=torch.int32, device=device),
+        torch.full((n,), -1, dtype=torch.int32, device=device),
+        torch.full((n,), -1, dtype=torch.int32, device=device),
+        torch.zeros(cap, dtype=torch.int32, device=device),
+        torch.zeros(cap, dtype=torch.int32, device=device),
+    )
+
+
+def bev_pool_prepare_padded_reference(
+    coor: torch.Tensor, grid_lower_bound, grid_interval, grid_size
+) -> BEVPoolRanksPadded:
+    """bev_pool_prepare_reference's result in the padded layout (synchronises: reference only)."""
+    r = bev_pool_prepare_reference(coor, grid_lower_bound, grid_interval, grid_size)
+    _, _, size = _grid(grid_lower_bound, grid_interval, grid_size)
+    n = coor.numel() // 3
+    n_cells = _n_cells(coor.shape[0], size)
+    _check_pad_keys(n, n_cells)
+    outs = _padding(coor.device, n, min(n, n_cells))
+    for t, src in zip(outs, r):
+        t[: src.shape[0]] = src
+    counts = [r.ranks_bev.shape[0], r.interval_starts.shape[0]]
+    return BEVPoolRanksPadded(*outs, torch.tensor(counts, dtype=torch.int32, device=coor.device))
+
+
 # --------------------------------------------------------------------------- native
 
 # flags of the native entry points (csrc/bev/bev_pool_prepare_musa.mu)
@@ -432,6 +495,26 @@ def _prepare_native(coor, lower, interval, size, n, n_cells) -> BEVPoolRanks:
     outs[3].resize_(m)
     outs[4].resize_(m)
     return BEVPoolRanks(*outs)
+
+
+def _prepare_padded_native(coor, lower, interval, size, n, n_cells) -> BEVPoolRanksPadded:
+    coor = coor.detach().contiguous()  # documented: a non-contiguous coor costs one copy
+    outs = _padding(coor.device, n, min(n, n_cells))
+    # a workspace of its own: a captured graph keeps it (its pool), no other call touches it
+    workspace = torch.empty(_workspace_ints(n, n_cells), dtype=torch.int32, device=coor.device)
+    native.function("bev_pool_prepare_forward")(
+        coor,
+        workspace,
+        *outs,
+        *lower,
+        *interval,
+        *size,
+        _STAGE_COUNT | _STAGE_ORDER | _POLICY,
+        0,
+        0,
+        stream_handle(coor),
+    )
+    return BEVPoolRanksPadded(*outs, workspace[:2].clone())
 
 
 def _sort_native(cell, n_cells) -> CellSort:
@@ -606,6 +689,83 @@ def bev_pool_prepare(
     cached = not torch.compiler.is_compiling()
     lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size, cached=cached)
     return PREPARE(coor, list(lower), list(interval), list(size), backend=backend)
+
+
+def _check_prepare_padded(coor, grid_lower_bound, grid_interval, grid_size) -> _opdef.Checked:
+    c = _check_prepare(coor, grid_lower_bound, grid_interval, grid_size)
+    *_, n, n_cells = c.info
+    _check_pad_keys(n, n_cells)
+    cap = min(n, n_cells)
+    i32 = torch.int32
+    c.outputs = (((n,), i32), ((n,), i32), ((n,), i32), ((cap,), i32), ((cap,), i32), ((2,), i32))
+    return c
+
+
+def _prepare_padded_forward(c: _opdef.Checked, coor, grid_lower_bound, grid_interval, grid_size):
+    lower, interval, size, n, n_cells = c.info
+    if n == 0:
+        outs = _padding(coor.device, 0, 0)
+        return BEVPoolRanksPadded(*outs, torch.zeros(2, dtype=torch.int32, device=coor.device))
+    return _prepare_padded_native(coor, lower, interval, size, n, n_cells)
+
+
+PREPARE_PADDED = _opdef.define(
+    _opdef.OpDef(
+        name="bev_pool_prepare_padded",
+        family="bev",
+        schema="(Tensor coor, float[] grid_lower_bound, float[] grid_interval, int[] grid_size) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+        check=_check_prepare_padded,
+        reference=lambda coor, lower, interval, size: bev_pool_prepare_padded_reference(
+            coor, lower, interval, size
+        ),
+        native=_prepare_padded_forward,
+        supports=_prepare_supports,
+        result=BEVPoolRanksPadded,
+        native_dtypes=_NATIVE_COOR_DTYPES,
+        entry_points=("bev_pool_prepare_forward", "bev_pool_sort_workspace_ints"),
+        samples=_prepare_samples,
+        upstream="BEVDet `voxel_pooling_prepare_v2` (upper-bound sizes, no host sync)",
+        models="BEVDet, BEVDepth, FlashOCC: CUDA-graph captured view transform",
+        recipes=(),
+        doc="docs/operators/bev_pool_prepare.md",
+        unverified="issue 13: the padded path has not run on a GPU yet",
+    )
+)
+
+
+@PREPARE_PADDED.export
+def bev_pool_prepare_padded(
+    coor: torch.Tensor, grid_lower_bound, grid_interval, grid_size, *, backend: str = "auto"
+) -> BEVPoolRanksPadded:
+    """`bev_pool_prepare` with upper-bound output sizes and no host synchronisation, so that
+    prepare + `bev_pool_v2` of a view transform can be captured in one CUDA graph:
+
+        r = bev_pool_prepare_padded(coor, lower, interval, size)     # coor [B, N, D, H, W, 3]
+        bev = bev_pool_v2(depth, feat, *r.bev_pool_v2_args(bev_feat_shape))
+
+    gives bev_pool_prepare + bev_pool_v2's output (the reference: bit for bit; the kernel to
+    float32 rounding, as its partition of the points into blocks depends on their number).
+
+    Returns BEVPoolRanksPadded(ranks_bev, ranks_depth, ranks_feat [n], interval_starts,
+    interval_lengths [min(n, B*X*Y*Z)], counts), int32 on coor's device, n = B*N*D*H*W: the
+    first counts[0] = n_kept (three arrays) and counts[1] = n_intervals (two) entries equal
+    `bev_pool_prepare`'s outputs; the rest is padding that bev_pool_v2 (native and reference,
+    forward and backward) skips: ranks_bev[p] = 2**31 - n + p (ascending, above every cell, so
+    the array stays sorted), ranks_depth = ranks_feat = -1, interval_starts = interval_lengths
+    = 0. Needs n + B*X*Y*Z <= 2**31 (ValueError otherwise).
+
+    Args: as `bev_pool_prepare` (grid parameters as numbers: tensors on a GPU would be read back,
+    a synchronisation, illegal inside a capture).
+
+    Costs against bev_pool_prepare: the pooling walks all n points (the padding's indices are
+    read, no feature rows), four fills of the outputs, and a fresh workspace per call (one
+    zeroing launch more). `validate=True` of bev_pool_v2 rejects the padded intervals (they are
+    not exactly the runs of ranks_bev): validate the unpadded `bev_pool_prepare` result instead.
+    """
+    cached = not torch.compiler.is_compiling()
+    lower, interval, size = _grid(grid_lower_bound, grid_interval, grid_size, cached=cached)
+    return PREPARE_PADDED(coor, list(lower), list(interval), list(size), backend=backend)
 
 
 def _check_sort(cell, n_cells) -> _opdef.Checked:

@@ -14,8 +14,11 @@ import torch
 
 from mu_space.ops.bev_pool_prepare import (
     BEVPoolRanks,
+    BEVPoolRanksPadded,
     CellSort,
     bev_pool_prepare,
+    bev_pool_prepare_padded,
+    bev_pool_prepare_padded_reference,
     bev_pool_prepare_reference,
     sort_by_cell,
     sort_by_cell_reference,
@@ -375,6 +378,55 @@ def test_sort_by_cell_bad_inputs(args, exc, match):
 
 
 # ---------------------------------------------------------------- torch.library / registry
+
+
+# ---------------------------------------------------------------- the padded (sync-free) variant
+
+
+def _assert_padded(got, want: BEVPoolRanks, n: int, n_cells: int, name="padded"):
+    """got = want's entries followed by the documented padding, and the counts."""
+    assert isinstance(got, BEVPoolRanksPadded)
+    k, m = want.ranks_bev.shape[0], want.interval_starts.shape[0]
+    cap = min(n, n_cells)
+    assert got.counts.dtype == torch.int32 and got.counts.tolist() == [k, m], name
+    for field, g, w, size in zip(BEVPoolRanks._fields, got, want, (n, n, n, cap, cap)):
+        assert g.dtype == torch.int32 and g.shape == (size,), f"{name}.{field}: {g.shape}"
+        assert torch.equal(g[: w.shape[0]], w), f"{name}.{field}: the prefix differs"
+    tail = torch.arange(k, n, dtype=torch.int64, device=got.ranks_bev.device)
+    assert torch.equal(got.ranks_bev[k:].long(), 2**31 - n + tail), f"{name}: ranks_bev padding"
+    assert (got.ranks_bev[k:].long() >= n_cells).all()
+    assert (got.ranks_bev[1:] >= got.ranks_bev[:-1]).all(), f"{name}: ranks_bev not sorted"
+    assert (got.ranks_depth[k:] == -1).all() and (got.ranks_feat[k:] == -1).all(), name
+    assert (got.interval_starts[m:] == 0).all() and (got.interval_lengths[m:] == 0).all(), name
+
+
+@pytest.mark.parametrize("name, batch", [("tiny", None), ("tiny", 3), ("bevdet-r50", None)])
+def test_padded_reference_is_the_ranks_then_padding(name, batch):
+    coor, grid = _geometry(name, batch=batch)
+    n = coor.numel() // 3
+    n_cells = coor.shape[0] * math.prod(grid[2])
+    want = bev_pool_prepare_reference(coor, *grid)
+    assert 0 < want.ranks_bev.shape[0] < n  # some points fall outside the grid: a real tail
+    _assert_padded(bev_pool_prepare_padded_reference(coor, *grid), want, n, n_cells, name)
+    got = bev_pool_prepare_padded(coor, *grid)  # the public call (reference on the CPU)
+    _assert_padded(got, want, n, n_cells, name)
+    assert got.bev_pool_v2_args((1, 1, 2, 3, 4))[3] == (1, 1, 2, 3, 4)
+
+
+def test_padded_no_points_and_the_pad_key_limit():
+    coor, grid = _geometry("tiny")
+    empty = bev_pool_prepare_padded(coor[:, :, :0], *grid)
+    assert [t.shape[0] for t in empty] == [0, 0, 0, 0, 0, 2] and empty.counts.tolist() == [0, 0]
+    outside = bev_pool_prepare_padded(coor + 1000.0, *grid)  # every point dropped
+    n = coor.numel() // 3
+    assert outside.counts.tolist() == [0, 0] and (outside.ranks_depth == -1).all()
+    assert torch.equal(outside.ranks_bev.long(), 2**31 - n + torch.arange(n))
+    # every point needs a key above the cells: n + cells <= 2**31
+    huge = (grid[0], grid[1], (2**31 - 1, 1, 1))
+    with pytest.raises(ValueError, match="padded ranks_bev"):
+        bev_pool_prepare_padded(coor, *huge)
+    with pytest.raises(ValueError, match="padded ranks_bev"):
+        bev_pool_prepare_padded_reference(coor, *huge)
 
 
 # ---------------------------------------------------------------- native (GPU) tests
@@ -747,3 +799,57 @@ def test_native_sort_by_cell_empty_and_no_cells():
     ):
         got = sort_by_cell(cell, n_cells, backend="cuda")
         assert all(t.shape == (0,) and t.dtype == torch.int32 and t.device == device for t in got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CONFIGS)
+def test_native_padded_equals_reference_without_a_host_sync(name):
+    device = native_gpu_device()
+    coor, grid = _geometry(name, device=device)
+    want = bev_pool_prepare_padded_reference(coor, *grid)
+    bev_pool_prepare_padded(coor, *grid, backend="cuda")  # warm: library, caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
+    try:
+        got = bev_pool_prepare_padded(coor, *grid, backend="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for field, g, w in zip(BEVPoolRanksPadded._fields, got, want):
+        assert torch.equal(g, w), f"{name}.{field}"
+
+
+@pytest.mark.gpu
+def test_native_padded_view_transform_captured_in_one_cuda_graph():
+    """prepare + bev_pool_v2 in one CUDA graph: replays with new coordinates, depth and feat
+    (written into the captured inputs) give what the eager, unpadded path gives for them (to
+    float32 rounding: the pooling kernel's partition of the points depends on their number)."""
+    from mu_space.ops.bev_pool_v2 import bev_pool_v2
+    from mu_space.testing import tolerances
+
+    device = native_gpu_device()
+    g = bev_geometry.make("bevdet-r50")
+    grid = (g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
+    shape = g["bev_feat_shape"]
+    coor, depth, feat = (g[k].to(device) for k in ("coor", "depth", "feat"))
+
+    def view_transform():
+        r = bev_pool_prepare_padded(coor, *grid, backend="cuda")
+        return bev_pool_v2(depth, feat, *r.bev_pool_v2_args(shape), backend="cuda")
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        view_transform()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = view_transform()
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    for step in range(3):
+        coor.copy_(g["coor"].to(device) + 2.0 * step * torch.rand(3, generator=gen).to(device))
+        depth.copy_(torch.rand(depth.shape, generator=gen).to(device))
+        feat.copy_(torch.randn(feat.shape, generator=gen).to(device))
+        graph.replay()
+        r = bev_pool_prepare(coor, *grid, backend="cuda")
+        want = bev_pool_v2(depth, feat, *r.bev_pool_v2_args(shape), backend="cuda")
+        tolerances.assert_close(out, want, op="bev_pool_v2", name=f"replay {step}")

@@ -477,6 +477,58 @@ def test_kernel_model_drops_out_of_range_keys_and_stays_in_bounds():
     np.testing.assert_array_equal(out[:, 0], [2, 0, 0, 0, 1, 0, 0, 0, 0, 2])
 
 
+def _padded_inputs(batch=2):
+    """make_inputs' geometry with bev_pool_prepare_padded's ranks (upper-bound sizes)."""
+    from mu_space.ops.bev_pool_prepare import bev_pool_prepare_padded_reference
+
+    g = bev_geometry.make("tiny", batch=batch, dtype=torch.float64)
+    grid = (g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
+    padded = bev_pool_prepare_padded_reference(g["coor"], *grid)
+    plain = bev_pool_prepare_reference(g["coor"], *grid)
+    shape = g["bev_feat_shape"]
+    return (
+        (g["depth"], g["feat"], *padded.bev_pool_v2_args(shape)),
+        (g["depth"], g["feat"], *plain.bev_pool_v2_args(shape)),
+    )
+
+
+def test_padded_ranks_pool_and_differentiate_like_the_plain_ones():
+    """bev_pool_prepare_padded's tail (keys above every cell, ranks -1, empty intervals) adds
+    nothing, forward or backward (reference path: bit for bit)."""
+    padded, plain = _padded_inputs()
+    assert padded[4].shape[0] > plain[4].shape[0]  # there is a tail
+    leaves = [[t.clone().requires_grad_(True) for t in args[:2]] for args in (padded, plain)]
+    outs = [bev_pool_v2(*lv, *args[2:]) for lv, args in zip(leaves, (padded, plain))]
+    assert torch.equal(outs[0], outs[1])
+    g = torch.randn(outs[0].shape, dtype=outs[0].dtype)
+    for out in outs:
+        out.backward(g)
+    for a, b in zip(*leaves):
+        assert torch.equal(a.grad, b.grad)
+    want = bev_pool_v2_backward_reference(g, *plain)
+    got = bev_pool_v2_backward_reference(g, *padded)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+@pytest.mark.parametrize("ppb,lanes,window", [(64, 16, 87), (37, 32, 15), (9, 128, 5)])
+def test_kernel_model_forward_on_padded_ranks(ppb, lanes, window):
+    """The kernel's algorithm on the padded layout: the tail's keys are outside the cells, so
+    their (zero: ranks -1 are bad points) sums are dropped, every cell is written once."""
+    padded, plain = _padded_inputs()
+    B, Z, Y, X, C = padded[5]
+    n_cells = B * Z * Y * X
+    keys = padded[4].numpy()
+    values = np.zeros((keys.shape[0], C))
+    k = plain[4].shape[0]
+    values[:k] = _point_values(plain)  # the tail: bad points gather nothing
+    out, writes, _ = model.segmented_pool(
+        keys, values, n_cells, points_per_block=ppb, lanes=lanes, window=window
+    )
+    _assert_forward_writes(writes, keys, n_cells)
+    want = bev_pool_v2_reference(*plain).permute(0, 2, 3, 4, 1).reshape(-1, C).numpy()
+    np.testing.assert_allclose(out, want, atol=1e-12, rtol=1e-12)
+
+
 def test_kernel_model_unsorted_keys_never_write_outside():
     rng = np.random.default_rng(1)
     keys = rng.integers(-5, 60, 500)
@@ -928,3 +980,32 @@ def test_repeat_count_of_depth_entries_is_cached_per_tensor():
     assert bpv2._depth_entries_shared_by_3(torch.tensor([4, 1, 1, 1, -3, 99], dtype=torch.int32), 5)
     rd[0] = 1  # an in-place change bumps the version: counted again
     assert bpv2._depth_entries_shared_by_3(rd, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("config", ["tiny", "bevdet-r50"])
+def test_native_padded_ranks_forward_and_backward(config, deterministic):
+    """bev_pool_prepare_padded's ranks on the kernels: the tail adds nothing to the output or
+    the gradients (float32; to rounding: the partition into blocks depends on n)."""
+    from mu_space.ops.bev_pool_prepare import bev_pool_prepare, bev_pool_prepare_padded
+
+    device = native_gpu_device()
+    g = bev_geometry.make(config)
+    grid = (g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
+    coor = g["coor"].to(device)
+    shape = g["bev_feat_shape"]
+    runs = []
+    for prepare in (bev_pool_prepare_padded, bev_pool_prepare):
+        r = prepare(coor, *grid, backend="native")
+        depth, feat = (g[k].to(device).requires_grad_(True) for k in ("depth", "feat"))
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            out = bev_pool_v2(depth, feat, *r.bev_pool_v2_args(shape), backend="native")
+            out.backward(torch.ones_like(out))
+        finally:
+            torch.use_deterministic_algorithms(False)
+        runs.append((out.detach(), depth.grad, feat.grad))
+    tol = tolerance(torch.float32)
+    for got, want, name in zip(runs[0], runs[1], ("out", "grad_depth", "grad_feat")):
+        assert_close(got, want, **tol, name=name)
