@@ -12,11 +12,12 @@
 #   bash scripts/lidar_gpu_session.sh sanitize   # ~5 min: memcheck and racecheck (muSPACE's
 #                                                # kernels only) over each family's native tests,
 #                                                # six processes side by side; mmcv's peer kernels
-#                                                # build meanwhile (for bench, same call or later
-#                                                # when $OUT's .so files are carried back)
+#                                                # build meanwhile (for bench in the same call; the
+#                                                # .so files come back in the tarball: unpack them
+#                                                # into .peers/build to carry them next time)
 #   bash scripts/lidar_gpu_session.sh bench      # ~4 min: the LiDAR benchmarks (--quick --reps
 #                                                # 100 unless BENCH_ARGS says otherwise) + the mmcv
-#                                                # ratio tables; the results' JSON copied to $OUT
+#                                                # ratio tables; the results' JSON in the tarball
 #   bash scripts/lidar_gpu_session.sh all        # check, sanitize, bench in one call (~10 min)
 #
 # Measured on the H200 (2026-12-01): the whole LiDAR suite takes ~55 s with the thread settings
@@ -34,13 +35,18 @@
 # Every stage runs with MUSPACE_TRY_UNVERIFIED=1 (auto runs the unverified kernels). After a
 # clean `check` and `sanitize`, clear the `unverified` marks (mu_space/ops/_voxel.py UNVERIFIED,
 # _box3d.py UNVERIFIED, _sparse_native.py UNVERIFIED) and run `check` again without the variable.
-# Logs in $OUT (default ./gpu-out/lidar); benchmark JSON in benchmarks/results/ and $OUT/results.
+# Logs, junit XML, benchmark JSON (results/) and the peers' .so packed into $OUT/lidar_<stage>.tar.gz
+# ($OUT default ./gpu-out/lidar); benchmark JSON also in benchmarks/results/.
 # Env: OUT, CUDA_ARCH (default 90a), BENCH_ARGS, SPCONV, TEST_TIMEOUT (per test, default 120 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in check | sanitize | bench | all) ;; *) sed -n '2,40p' "$0"; exit 2 ;; esac
-OUT=${OUT:-$PWD/gpu-out/lidar}
-mkdir -p "$OUT"
+# A device call brings back at most 8 files from $OUT: every log, junit XML, JSON and peer .so
+# goes to a work folder that is packed into one $OUT/lidar_<stage>.tar.gz on exit.
+FINAL=${OUT:-$PWD/gpu-out/lidar}
+OUT=$(mktemp -d /tmp/lidar-XXXXXX)
+mkdir -p "$FINAL"
+trap 'tar -czf "$FINAL/lidar_$1.tar.gz" -C "$OUT" . && echo "logs packed: $FINAL/lidar_$1.tar.gz"' EXIT
 export PYTHONUNBUFFERED=1 MUSPACE_TRY_UNVERIFIED=${MUSPACE_TRY_UNVERIFIED-1} OMP_NUM_THREADS=1
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 TEST_TIMEOUT=${TEST_TIMEOUT:-120}
@@ -205,5 +211,5 @@ case "${1:-}" in
     stage_bench
     ;;
 esac
-echo "lidar_gpu_session ${1}: exit $status in $(($(date +%s) - start)) s (logs in $OUT)"
+echo "lidar_gpu_session ${1}: exit $status in $(($(date +%s) - start)) s"
 exit "$status"
