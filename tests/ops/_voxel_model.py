@@ -25,6 +25,11 @@ def radix_plan(total_bits: int, max_digit_bits: int):
     return passes, bits, total_bits
 
 
+def bitonic_pair_index(q, log_stride: int):
+    """bitonic_sort_tile's lower index of pair q in a stage of stride 2**log_stride."""
+    return ((q >> log_stride) << (log_stride + 1)) | (q & ((1 << log_stride) - 1))
+
+
 def bitonic_sort_tile(c: np.ndarray) -> np.ndarray:
     """voxel_sort.muh's bitonic_sort_tile: the network with the pair index of each stage by
     shifts and masks, i = ((q >> log_stride) << (log_stride + 1)) | (q & (stride - 1)); the
@@ -38,7 +43,7 @@ def bitonic_sort_tile(c: np.ndarray) -> np.ndarray:
         size = 1 << log_size
         for log_stride in range(log_size - 1, -1, -1):
             stride = 1 << log_stride
-            i = ((q >> log_stride) << (log_stride + 1)) | (q & (stride - 1))
+            i = bitonic_pair_index(q, log_stride)
             j = i + stride
             ascending = (i & size) == 0
             a, b = c[i], c[j]
@@ -52,15 +57,28 @@ def rowcol_walk(total: int, cols: int, threads: int) -> np.ndarray:
     thread holds at each of its elements e (one division per thread, then quotient and
     remainder steps), as [total, 2] indexed by e."""
     out = np.full((total, 2), -1, dtype=np.int64)
-    drow, dcol = divmod(threads, cols)
     for t in range(min(threads, total)):
-        row, col = divmod(t, cols)
-        for e in range(t, total, threads):
-            out[e] = (row, col)
-            row, col = row + drow, col + dcol
-            if col >= cols:
-                col, row = col - cols, row + 1
+        for e, rc in zip(range(t, total, threads), rowcol_thread(t, threads, cols)):
+            out[e] = rc
     return out
+
+
+def rowcol_thread(t: int, threads: int, cols: int):
+    """The (row, col) RowCol gives thread t at its elements t, t + threads, ... (endless), with
+    the kernel's register widths: row int64, col / dcol / cols int32 (cols <= INT32_MAX), the
+    step's col + dcol summed in uint32."""
+    assert 1 <= cols <= 2**31 - 1
+    row, col = divmod(t, cols)
+    drow, dcol = divmod(threads, cols)
+    while True:
+        yield row, col
+        row += drow
+        c = (col + dcol) & 0xFFFFFFFF  # uint32 sum: < 2 * cols < 2**32, never wraps
+        if c >= cols:
+            c -= cols
+            row += 1
+        col = c - (1 << 32) if c >= 1 << 31 else c  # back to int32
+        assert -(2**31) <= col < 2**31
 
 
 def radix_pass(keys, vals, shift, bits, tile):
@@ -186,3 +204,51 @@ def hard_voxelize(points, grid, P, V, sizes, *, tile=1024, digit_bits=11, padded
     if padded_rows is None:
         return voxels[:m], coors[:m], num[:m], torch.tensor(m)
     return voxels, coors, num, torch.tensor(m)
+
+
+def pillar_canvas(
+    feats_bits: np.ndarray,
+    coors: np.ndarray,
+    B: int,
+    ny: int,
+    nx: int,
+    *,
+    threads: int,
+    base_elems: int = 0,
+):
+    """pillar_scatter_musa.mu's forward: fill_map (-1, then the highest pillar of a cell), the
+    launcher's choice K = 2 (plane even and the canvas base aligned to 2 elements; the base is
+    `base_elems` elements past an aligned address) or 1, and canvas_kernel<W, K> over a
+    grid-stride loop of `threads` threads with RowCol over (b, yx / K). feats_bits [M, C] are
+    the raw element words (uint16 / uint32). Returns (canvas words [B, C, ny, nx], how many
+    stores wrote each element, K); asserts every pair store is aligned."""
+    m, C = feats_bits.shape
+    plane = ny * nx
+    cell_map = np.full(B * plane, -1, dtype=np.int64)
+    for i, (b, _z, y, x) in enumerate(coors.tolist()):  # pillar_map_kernel: atomicMax
+        if 0 <= b < B and 0 <= y < ny and 0 <= x < nx:
+            cell = (b * ny + y) * nx + x
+            cell_map[cell] = max(cell_map[cell], i)
+    K = 2 if plane % 2 == 0 and base_elems % 2 == 0 else 1
+    canvas = np.zeros(B * C * plane, dtype=feats_bits.dtype)
+    writes = np.zeros(B * C * plane, dtype=np.int64)
+    groups = B * (plane // K)
+    zero = feats_bits.dtype.type(0)
+    for t in range(min(threads, groups)):
+        walk = rowcol_thread(t, threads, plane // K)
+        for g, (row, col) in zip(range(t, groups, threads), walk):
+            cell = g * K
+            yx = col * K
+            dst = row * C * plane + yx
+            ps = [cell_map[cell + k] for k in range(K)]
+            has = [0 <= p < m for p in ps]
+            for c in range(C):
+                off = dst + c * plane
+                vals = [feats_bits[p, c] if h else zero for p, h in zip(ps, has)]
+                if K == 2:
+                    assert (base_elems + off) % 2 == 0, "misaligned pair store"
+                    assert off // plane == (off + 1) // plane, "a pair across two planes"
+                for k, v in enumerate(vals):  # lower address: the low half / .x
+                    canvas[off + k] = v
+                    writes[off + k] += 1
+    return canvas.reshape(B, C, ny, nx), writes.reshape(B, C, ny, nx), K

@@ -10,6 +10,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,6 +139,57 @@ def test_native_matches_reference(config, B, channels, dtype):
     assert torch.equal(f.grad.cpu(), fr.grad)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ny, nx", [(49, 51), (50, 49), (50, 50)])
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_canvas_pairs_and_fallback(ny, nx, offset, dtype):
+    """canvas_kernel's paths on the entry point: an odd plane (49 x 51) and a canvas one element
+    past an aligned address (offset 1) take one cell per thread; 50 x 49 (odd nx, even plane:
+    pairs across x rows) and 50 x 50 two cells per thread. Rows beyond 49 x 49 fall outside.
+    The canvas starts poisoned (NaN): every element must be written."""
+    from mu_space.runtime import native
+    from mu_space.runtime.device import stream_handle
+
+    device = native_gpu_device()
+    feats, coors, B, _ = _pillars("tiny-pillars", 2, 5, dtype)
+    want = mu_space.pillar_scatter(feats, coors, B, (ny, nx), backend="reference")
+    f, c = feats.to(device), coors.to(device)
+    C = feats.shape[1]
+    buf = torch.full((B * C * ny * nx + offset,), float("nan"), dtype=dtype, device=device)
+    canvas = buf[offset:].view(B, C, ny, nx)
+    cell_map = torch.empty(B * ny * nx, dtype=torch.int32, device=device)
+    native.function("pillar_scatter_forward")(f, c, cell_map, canvas, stream_handle(f))
+    assert torch.equal(canvas.cpu(), want)
+    assert torch.isnan(buf[:offset]).all()  # nothing before the canvas
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ny, nx, C", [(46341, 46339, 3), (46340, 46340, 2)])
+def test_native_canvas_beyond_int32_elements(ny, nx, C):
+    """Planes of ~INT32_MAX cells (the cell map's limit) and B * C * ny * nx > 2**32 canvas
+    elements: the 64-bit store offsets (b * C * plane + c * plane + yx) of one cell per thread
+    (odd plane) and of the pairs (even plane). float16 canvas poisoned with NaN (13 / 8.6 GB)
+    plus an 8.6 GB cell map; pillars at both ends of the plane and in between."""
+    from mu_space.runtime import native
+    from mu_space.runtime.device import stream_handle
+
+    device = native_gpu_device()
+    plane = ny * nx
+    cells = torch.tensor([0, 1, nx, plane // 2, plane - 270337, plane - 2, plane - 1])
+    zeros = torch.zeros_like(cells)
+    coors = torch.stack([zeros, zeros, cells // nx, cells % nx], dim=1).to(device)
+    feats = torch.arange(1, cells.numel() * C + 1, dtype=torch.float16).view(-1, C).to(device)
+    canvas = torch.full((1, C, ny, nx), float("nan"), dtype=torch.float16, device=device)
+    cell_map = torch.empty(plane, dtype=torch.int32, device=device)
+    native.function("pillar_scatter_forward")(feats, coors, cell_map, canvas, stream_handle(feats))
+    flat = canvas.view(C, plane)
+    assert torch.equal(flat[:, cells.to(device)], feats.t())
+    assert int(torch.count_nonzero(flat)) == cells.numel() * C  # the rest written 0
+    del canvas, cell_map, flat
+    torch.cuda.empty_cache()
+
+
 def test_point_pillars_recipe_detects_a_wrong_backend(monkeypatch, capsys):
     original = mu_space.pillar_scatter
 
@@ -158,3 +210,46 @@ def test_benchmark_smoke_run(tmp_path, capsys):
     args = ["--smoke", "--out", str(tmp_path), "--cases", "float32"]
     assert bench_pillar_scatter.main(args) == 0, capsys.readouterr().out
     assert (tmp_path / "pillar_scatter.smoke.json").is_file()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "ny, nx, base, want_k",
+    [
+        (4, 5, 0, 2),  # odd nx, even plane: pairs run across x rows, inside one plane
+        (6, 8, 0, 2),
+        (3, 5, 0, 1),  # odd plane: a pair would straddle two planes
+        (6, 8, 1, 1),  # canvas base not aligned to two elements
+    ],
+)
+def test_kernel_model_canvas_pairs_equal_the_oracle(dtype, ny, nx, base, want_k):
+    """canvas_kernel's two-cells-per-thread path (and its fallback) on B * C planes with
+    duplicate cells (last wins) and rows outside: the oracle's canvas, every element stored
+    exactly once, every pair store aligned, for grid strides below and above the pair count."""
+    from tests.ops import _voxel_model as model
+
+    g = torch.Generator().manual_seed(11)
+    B, C, m = 2, 3, 40
+    coors = torch.stack(
+        [
+            torch.randint(0, B + 1, (m,), generator=g),  # b == B: outside
+            torch.zeros(m, dtype=torch.int64),
+            torch.randint(-1, ny + 1, (m,), generator=g),
+            torch.randint(-1, nx + 1, (m,), generator=g),
+        ],
+        dim=1,
+    )
+    coors[20:30] = coors[:10]  # duplicates: the later row wins
+    feats = torch.randn(m, C, generator=g).to(dtype)
+    want, _ = oracle.pillars(feats, coors, B, ny, nx)
+    bits = feats.view(torch.int16 if dtype == torch.float16 else torch.int32).numpy()
+    bits = bits.view(np.uint16 if dtype == torch.float16 else np.uint32)
+    for threads in (1, 7, 64, 10**4):
+        got, writes, k = model.pillar_canvas(
+            bits, coors.numpy(), B, ny, nx, threads=threads, base_elems=base
+        )
+        assert k == want_k
+        assert (writes == 1).all(), f"threads={threads}: stores per element {np.unique(writes)}"
+        signed = np.int16 if dtype == torch.float16 else np.int32
+        canvas = torch.from_numpy(got.view(signed).copy()).view(dtype)
+        assert torch.equal(canvas.double(), want), f"threads={threads}"

@@ -400,6 +400,21 @@ def test_kernel_model_bitonic_network_sorts():
             assert (model.bitonic_sort_tile(c) == np.sort(c)).all()
 
 
+def test_kernel_model_bitonic_pair_index_is_the_division_one():
+    """Every stage of the kTile = 1024 network (pairs q = k * kBlock + thread, k < 2): the
+    shift-and-mask index equals the former (q / stride) * 2 * stride + q % stride, and the
+    stage's pairs (i, i + stride) cover the tile once."""
+    tile = 1024
+    q = np.arange(tile // 2)
+    for log_size in range(1, 11):
+        for log_stride in range(log_size - 1, -1, -1):
+            stride = 1 << log_stride
+            i = model.bitonic_pair_index(q, log_stride)
+            assert (i == (q // stride) * 2 * stride + q % stride).all(), (log_size, log_stride)
+            both = np.sort(np.concatenate([i, i + stride]))
+            assert (both == np.arange(tile)).all(), (log_size, log_stride)
+
+
 @pytest.mark.parametrize("cols", [1, 3, 5, 10, 32, 64, 999])
 def test_kernel_model_rowcol_walk_is_divmod(cols):
     """RowCol (the emit and segment kernels' division-free (row, col)) visits every flat index
@@ -408,6 +423,22 @@ def test_kernel_model_rowcol_walk_is_divmod(cols):
         total = 3 * max(threads, cols) + 5
         want = np.stack(np.divmod(np.arange(total), cols), axis=1)
         assert (model.rowcol_walk(total, cols, threads) == want).all()
+
+
+@pytest.mark.parametrize("cols", [2**31 - 1, 2**31 - 2, 46341 * 46340, 2**30 + 1])
+def test_kernel_model_rowcol_walk_near_int32_max(cols):
+    """RowCol with cols above 2**30 (segment kernels: cols = C, the rows m * C may exceed 2**31)
+    and an H200's grid-stride (132 SMs x 8 blocks x 256 threads): col + dcol exceeds INT32_MAX
+    when a thread crosses a row end, so it must not be summed in int32 (it wrapped negative: a
+    column < 0, reads and stores out of bounds). Each thread's walk over 2 rows against e's
+    divmod. (The pillar canvas cannot get there: cells <= INT32_MAX ends its loop at that row
+    end.)"""
+    threads = 132 * 8 * 256
+    total = 2 * cols
+    for t in (0, 1, threads // 2, threads - 1):
+        walk = model.rowcol_thread(t, threads, cols)
+        for e, (row, col) in zip(range(t, total, threads), walk):
+            assert (row, col) == divmod(e, cols), (t, e)
 
 
 # ---------------------------------------------------------------- native (GPU)
