@@ -350,6 +350,7 @@ void nms(TensorView boxes, TensorView order, TensorView workspace, TensorView ke
     TVM_FFI_THROW(ValueError) << "workspace must hold " << workspace_words(tiles) << " int64, got "
                               << workspace.size(0);
   }
+  check_aligned(workspace, "workspace", 16);  // the list entries are 16-byte vector accesses
   check_vector(keep, "keep", boxes, kInt64, n + 1);
   const int device_id = boxes.device().device_id;
   DeviceGuard guard(device_id);

@@ -224,6 +224,47 @@ def test_native_one_dense_cluster():
         assert 0 < got.numel() < n
 
 
+def _twin_grid(n):
+    """n LiDAR boxes in twins: box k + n/2 repeats box k (IoU 1), the twins 10 m apart on a
+    grid (no other overlap); scores n, n - 1, ..., 1 (exact, distinct), so the visiting order
+    is 0 .. n - 1 and the greedy result is exactly the first half. Every row tile of the first
+    half suppresses a column tile n/2 boxes later (off-diagonal list entries across the mask)."""
+    half = n // 2
+    k = torch.arange(half)
+    cols = 384
+    base = torch.zeros(half, 7)
+    base[:, 0] = (k % cols).float() * 10.0
+    base[:, 1] = (k // cols).float() * 10.0
+    base[:, 3:6] = torch.tensor([4.0, 2.0, 1.5])
+    base[:, 6] = 0.3
+    return torch.cat([base, base]), torch.arange(n, 0, -1).float()
+
+
+def test_twin_grid_keeps_the_first_half():
+    boxes, scores = _twin_grid(512)
+    assert torch.equal(nms3d(boxes, scores, 0.5, backend="reference"), torch.arange(256))
+
+
+def test_native_at_the_box_limit():
+    """n = box3d_nms.max_boxes (3072 tiles: the walk's removed words fill its 24 KB of shared
+    memory, the list offsets are the largest): the twin grid keeps exactly its first half, and
+    a cap just under that count keeps the first max_keep of them. (The reference would need
+    n^2 / 8 = 4.8 GB of bits and minutes: the expected result is known by construction.)"""
+    from mu_space.ops.pcdet import box3d_nms_ordered
+    from mu_space.runtime import native
+
+    device = native_gpu_device()
+    n = native.limit("box3d_nms.max_boxes")
+    assert n == 3072 * 64
+    boxes, scores = _twin_grid(n)
+    boxes, scores = boxes.to(device), scores.to(device)
+    half = torch.arange(n // 2, device=device)
+    assert torch.equal(nms3d(boxes, scores, 0.5, backend="native"), half)
+    order = torch.arange(n, device=device)
+    got = box3d_nms_ordered(boxes, order, "iou3d", 0.5, n // 2 - 5, backend="native")
+    assert torch.equal(got, half[: n // 2 - 5])
+
+
 # ------------------------------------------- model of the native walk (csrc/box3d/nms_musa.mu)
 
 _TILE = 64
@@ -370,3 +411,27 @@ def test_native_workspace_size():
         )
     with pytest.raises(ValueError, match="n must be in"):
         lib["box3d_nms_workspace_ints"](3072 * 64 + 1)
+
+
+def test_native_rejects_a_misaligned_workspace():
+    """The suppression lists are 16-byte entries stored and loaded as one vector: a workspace
+    8 bytes off (an int64 view at an odd offset) must be a ValueError before any launch, not
+    a misaligned-address fault that loses the GPU context. The aligned workspace passes every
+    check (the call reaches the runtime)."""
+    from tests.native_calls import REACHED, as_cuda, load_library
+
+    lib = load_library(["box3d_nms", "box3d_nms_workspace_ints"])
+    n = 70
+    words = int(lib["box3d_nms_workspace_ints"](n))
+    base = torch.zeros(words + 2, dtype=torch.int64)
+    assert base.data_ptr() % 16 == 0
+    args = (torch.zeros(n, 7), torch.arange(n), torch.zeros(n + 1, dtype=torch.int64))
+
+    def call(ws):
+        boxes, order, keep = args
+        lib["box3d_nms"](*(as_cuda(t) for t in (boxes, order, ws, keep)), 0, 1, 0.5, 0, 0)
+
+    with pytest.raises(RuntimeError, match=REACHED):
+        call(base[:words])
+    with pytest.raises(ValueError, match="workspace must be 16-byte aligned"):
+        call(base[1 : 1 + words])
