@@ -398,6 +398,9 @@ def _compile_and_link(
 ) -> Path:
     jobs = jobs or int(os.environ.get("MAX_JOBS", 0)) or os.cpu_count() or 1
     started = time.time()
+    # the digest of what is compiled, taken before compiling: a source edited during the build
+    # must leave the library stale (recorded after, it marked such a library current)
+    digest = sources_digest()
     total = len(plan.sources)
     counter = iter(range(1, total + 1))
 
@@ -432,7 +435,7 @@ def _compile_and_link(
         "compiler_version": tc.version,
         "tvm_ffi_version": tvm_ffi_version,
         "sources": plan.sources,
-        "sources_sha256": sources_digest(),
+        "sources_sha256": digest,
         "build_seconds": round(time.time() - started, 1),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -194,3 +194,28 @@ def test_sources_digest_follows_the_csrc_tree(tmp_path, monkeypatch):
     second = build_utils.sources_digest()
     (tmp_path / "csrc" / "x" / "a.mu").rename(tmp_path / "csrc" / "x" / "b.mu")
     assert len({first, second, build_utils.sources_digest()}) == 3
+
+
+def test_build_info_records_the_sources_as_they_were_compiled(tmp_path, monkeypatch):
+    """A source edited while the build runs leaves the library stale: the digest is taken before
+    compiling (taken after, a library built from the old sources was recorded as current)."""
+    compiled = []  # a source is edited as soon as the first compile has run
+    monkeypatch.setattr(
+        build_utils, "sources_digest", lambda: "edited" if compiled else "as compiled"
+    )
+    monkeypatch.setattr(build_utils, "compile_command", lambda tc, src, obj, inc: ["cc", str(obj)])
+    monkeypatch.setattr(build_utils, "link_command", lambda tc, objs, out, lib: ["ld", str(out)])
+    monkeypatch.setattr(build_utils, "_tvm_ffi_paths", lambda: ([], "", "0"))
+
+    def run(cmd, what):
+        compiled.append(cmd[0])
+        if cmd[0] == "ld":
+            Path(cmd[1]).write_bytes(b"")
+
+    monkeypatch.setattr(build_utils, "_run_checked", run)
+    tc = build_utils.Toolchain("cuda", "nvcc", ["90a"], "CUDA_ARCH")
+    plan = build_utils.BuildPlan(tc, sources=build_utils.EXTENSION_SOURCES[:1])
+    progress = build_utils.Progress(env={"MUSPACE_QUIET": "1"}, use_tty=False)
+    build_utils.build(plan, tmp_path, jobs=1, progress=progress)
+    info = json.loads((tmp_path / build_utils.BUILD_INFO_FILE).read_text())
+    assert info["sources_sha256"] == "as compiled"

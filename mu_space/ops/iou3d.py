@@ -262,7 +262,10 @@ def _nms3d_check(boxes, scores, iou_threshold) -> _opdef.Checked:
 
 
 def _nms_bev_check(boxes, scores, thresh, pre_max_size, post_max_size) -> _opdef.Checked:
-    return check_nms(boxes, scores, 5, "N, (x1, y1, x2, y2, ry)")
+    c = check_nms(boxes, scores, 5, "N, (x1, y1, x2, y2, ry)")
+    if pre_max_size is not None and pre_max_size >= 0:  # the native limit is on visited boxes
+        c.info = min(c.info, pre_max_size)
+    return c
 
 
 def _nms3d_impl(kind: int):

@@ -435,3 +435,21 @@ def test_native_rejects_a_misaligned_workspace():
         call(base[:words])
     with pytest.raises(ValueError, match="workspace must be 16-byte aligned"):
         call(base[1 : 1 + words])
+
+
+def test_nms_bev_native_limit_counts_the_boxes_it_visits():
+    """The native limit is on the boxes NMS visits (the order's length): nms_bev with more boxes
+    than the limit but a pre_max_size under it keeps the native path (found in review: the box
+    count was compared, so such calls fell back to the reference)."""
+    from mu_space.ops import iou3d
+    from mu_space.runtime import native
+
+    try:
+        limit = native.limit("box3d_nms.max_boxes")
+    except Exception as exc:  # noqa: BLE001 - no library here: nothing to compare against
+        pytest.skip(f"native library not loaded: {exc}")
+    boxes, scores = torch.zeros(limit + 1, 5), torch.zeros(limit + 1)
+    capped = iou3d._nms_bev_check(boxes, scores, 0.5, 1000, None)
+    assert capped.info == 1000 and iou3d.nms_supports(capped) is None
+    whole = iou3d._nms_bev_check(boxes, scores, 0.5, None, None)
+    assert f"{limit + 1} boxes exceed the native NMS limit of {limit}" == iou3d.nms_supports(whole)
