@@ -2,6 +2,8 @@
 
     ncu --clock-control none --profile-from-start off --set detailed \
         python3 -m benchmarks.profile_kernels [--only REGEX]
+    python3 -m benchmarks.profile_kernels --torch-profiler [--only REGEX]   (no ncu / nsys needed:
+        each workload's per-kernel device time per call and its share of the wall time)
 
 Workloads (realistic inputs, as in the benchmarks): bev_pool_v2 forward (bevdet-r50 float32 /
 float16, bevdet-r50-d88 float32) and default backward (bevdet-r50 float32; backwards run through
@@ -106,15 +108,70 @@ def voxel_workloads(dev):
         )
 
 
+def kernel_table(kernels: list[tuple[str, float]], calls: int, wall_us: float, top: int = 12):
+    """Markdown rows of the device time per call of each kernel name (summed over its launches),
+    largest first, with each one's share of the call's wall time."""
+    per_call: dict[str, float] = {}
+    for name, us in kernels:
+        per_call[name] = per_call.get(name, 0.0) + us / calls
+    rows = sorted(per_call.items(), key=lambda kv: -kv[1])
+    lines = [
+        f"wall {wall_us:.1f} us per call; kernels {sum(per_call.values()):.1f} us",
+        "| kernel | us per call | % of wall |",
+        "|---|---|---|",
+    ]
+    for name, us in rows[:top]:
+        lines.append(f"| `{name[:90]}` | {us:.1f} | {100 * us / max(wall_us, 1e-9):.0f}% |")
+    if len(rows) > top:
+        rest = sum(us for _, us in rows[top:])
+        lines.append(f"| ({len(rows) - top} more) | {rest:.1f} | {100 * rest / wall_us:.0f}% |")
+    return "\n".join(lines)
+
+
+def torch_profile(name: str, fn, calls: int = 20) -> str:
+    """Per-kernel device times of `calls` calls from torch.profiler (CUPTI): the breakdown when
+    neither nsys nor ncu is on the machine. Wall time per call from CUDA events around the calls
+    (warm L2: these are for the split, the benchmarks give the cold-L2 figures)."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    wall_us = start.elapsed_time(end) * 1000 / calls
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [
+        (e.key, float(getattr(e, "self_device_time_total", 0.0)))
+        for e in prof.key_averages()
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+    ]
+    return f"== {name}\n" + kernel_table(kernels, calls, wall_us)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=".*", help="regex over workload names")
+    p.add_argument(
+        "--torch-profiler",
+        action="store_true",
+        help="print each workload's per-kernel device times (torch.profiler) instead of marking "
+        "ranges for ncu / nsys",
+    )
     a = p.parse_args(argv)
     chosen = [(n, fn) for n, fn in workloads() if re.search(a.only, n)]
     for _, fn in chosen:  # warm-up: first-call allocations, caches, lazy loads
         fn()
         fn()
     torch.cuda.synchronize()
+    if a.torch_profiler:
+        for name, fn in chosen:
+            print(torch_profile(name, fn), end="\n\n", flush=True)
+        return 0
     for name, fn in chosen:
         print(f"== {name}", flush=True)
         torch.cuda.synchronize()

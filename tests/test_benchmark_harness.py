@@ -656,3 +656,18 @@ def test_benchmarks_use_no_private_names_of_the_ops():
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{path.name}: from {node.module} import {private}"
         assert 'sys.modules["mu_space.ops' not in path.read_text(), path.name
+
+
+def test_profile_kernels_table_sums_launches_per_call():
+    """benchmarks/profile_kernels.py --torch-profiler: a kernel's launches are summed and divided
+    by the calls, largest first, the tail folded into one row, shares of the wall time."""
+    from benchmarks.profile_kernels import kernel_table
+
+    table = kernel_table([("sort", 100.0), ("emit", 50.0), ("sort", 100.0)], 2, 200.0, top=1)
+    assert table.splitlines() == [
+        "wall 200.0 us per call; kernels 125.0 us",
+        "| kernel | us per call | % of wall |",
+        "|---|---|---|",
+        "| `sort` | 100.0 | 50% |",
+        "| (1 more) | 25.0 | 12% |",
+    ]
