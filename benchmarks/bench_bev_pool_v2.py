@@ -133,7 +133,9 @@ def geometry(cfg) -> dict:
     return _cache[key]
 
 
-def prepare_forward_case(name: str, cfg, dtype: torch.dtype) -> Case:
+def _view_transform(cfg, dtype: torch.dtype, prepare):
+    """(native fn, reference fn, params, compulsory bytes) of `prepare` + bev_pool_v2 over cfg's
+    frustum: the prepare-forward and view-transform cases."""
     g = geometry(cfg)
     depth, feat = inputs(cfg, dtype)[:2]
     shape = g["bev_feat_shape"]
@@ -142,28 +144,32 @@ def prepare_forward_case(name: str, cfg, dtype: torch.dtype) -> Case:
     be = harness.backend()
 
     def native():
-        ranks = bev_pool_prepare(g["coor"], *grid, backend=be)
+        ranks = prepare(g["coor"], *grid, backend=be)
         return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend=be)
 
     def reference():
         ranks = bev_pool_prepare_reference(g["coor"], *grid)
         return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend="reference")
 
+    params = {"config": getattr(cfg, "name", cfg), "C": C, "bev_feat_shape": list(shape)}
+    nbytes = (
+        _nbytes(g["coor"])
+        + _nbytes(depth)
+        + _nbytes(feat)
+        + B * Z * Y * X * C * feat.element_size()
+    )
+    return native, reference, params, nbytes
+
+
+def prepare_forward_case(name: str, cfg, dtype: torch.dtype) -> Case:
+    native, reference, params, nbytes = _view_transform(cfg, dtype, bev_pool_prepare)
     return Case(
         name=f"{name}-prepare-forward-{harness.dtype_name(dtype)}",
         op="bev_pool_v2",
         direction="forward",
         dtype=dtype,
-        params={
-            "config": getattr(cfg, "name", cfg),
-            "C": C,
-            "bev_feat_shape": list(shape),
-            "mode": "bev_pool_prepare + bev_pool_v2",
-        },
-        compulsory_bytes=_nbytes(g["coor"])
-        + _nbytes(depth)
-        + _nbytes(feat)
-        + B * Z * Y * X * C * feat.element_size(),
+        params={**params, "mode": "bev_pool_prepare + bev_pool_v2"},
+        compulsory_bytes=nbytes,
         fn=native,
         make_args=lambda: (),
         reference=reference,
@@ -172,20 +178,8 @@ def prepare_forward_case(name: str, cfg, dtype: torch.dtype) -> Case:
 
 def view_transform_cases(name: str, cfg, dtype: torch.dtype) -> list[Case]:
     """prepare (padded: no host sync) + bev_pool_v2, eager and captured in one CUDA graph."""
-    g = geometry(cfg)
-    depth, feat = inputs(cfg, dtype)[:2]
-    shape = g["bev_feat_shape"]
-    grid = (g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
-    B, Z, Y, X, C = shape
-    be = harness.backend()
-
-    def padded():
-        ranks = bev_pool_prepare_padded(g["coor"], *grid, backend=be)
-        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend=be)
-
-    def reference():
-        ranks = bev_pool_prepare_reference(g["coor"], *grid)
-        return bev_pool_v2(depth, feat, *ranks.bev_pool_v2_args(shape), backend="reference")
+    padded, reference, params, nbytes = _view_transform(cfg, dtype, bev_pool_prepare_padded)
+    params["n_frustum_points"] = int(geometry(cfg)["coor"].numel() // 3)
 
     def graph_timer(fn, make_args, settings):
         return harness.time_gpu(
@@ -197,18 +191,6 @@ def view_transform_cases(name: str, cfg, dtype: torch.dtype) -> list[Case]:
             graph=True,
         )
 
-    params = {
-        "config": getattr(cfg, "name", cfg),
-        "C": C,
-        "bev_feat_shape": list(shape),
-        "n_frustum_points": int(g["coor"].numel() // 3),
-    }
-    nbytes = (
-        _nbytes(g["coor"])
-        + _nbytes(depth)
-        + _nbytes(feat)
-        + B * Z * Y * X * C * feat.element_size()
-    )
     dt = harness.dtype_name(dtype)
     graph_skip = (
         ""

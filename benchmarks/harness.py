@@ -161,6 +161,27 @@ def _graph_replayer(fn: Callable, arg_sets: list) -> Callable[[int], Any]:
     return lambda i: graphs[i % len(graphs)].replay()
 
 
+def device_kernel_times(fn: Callable[[], Any], calls: int) -> dict[str, float]:
+    """Device time per call of each kernel (summed over its launches) that `calls` calls of `fn`
+    launch, from torch.profiler (CUPTI), largest first; {} without a CUDA device. The per-kernel
+    split of the profile scripts (benchmarks/profile_*.py) where neither ncu nor nsys is there."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    per_call: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_call[event.key] = (
+                per_call.get(event.key, 0.0) + event.self_device_time_total / calls
+            )
+    return dict(sorted(per_call.items(), key=lambda kv: -kv[1]))
+
+
 def time_gpu(
     fn: Callable,
     make_args: Callable[[], Any],

@@ -15,7 +15,6 @@ import argparse
 import re
 import sys
 import time
-from collections import defaultdict
 
 import torch
 
@@ -24,6 +23,7 @@ from benchmarks import (
     bench_nms3d,
     bench_points_in_boxes,
     bench_roiaware_pool3d,
+    harness,
 )
 
 BENCHES = (bench_points_in_boxes, bench_boxes_overlap_bev, bench_nms3d, bench_roiaware_pool3d)
@@ -45,19 +45,8 @@ def profile_case(case, calls: int) -> tuple[float, float, list[tuple[str, float]
         case.fn(*args)
     _sync()
     wall = (time.perf_counter() - t0) / calls * 1e6
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(calls):
-            case.fn(*args)
-        _sync()
-    per_kernel: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[ev.name] += ev.device_time_total / calls
-    kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1])
-    return wall, sum(per_kernel.values()), kernels
+    per_kernel = harness.device_kernel_times(lambda: case.fn(*args), calls)
+    return wall, sum(per_kernel.values()), list(per_kernel.items())
 
 
 def main(argv=None) -> int:

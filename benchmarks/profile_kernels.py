@@ -23,11 +23,12 @@ import sys
 
 import torch
 
+from benchmarks import harness
 from mu_space.testing import lidar
 
 
 def workloads():
-    from benchmarks import bench_bev_pool_v2, harness
+    from benchmarks import bench_bev_pool_v2
     from mu_space.ops.bev_pool import bev_pool
     from mu_space.ops.bev_pool_prepare import bev_pool_prepare
     from mu_space.ops.bev_pool_v2 import bev_pool_v2
@@ -76,7 +77,7 @@ def workloads():
 def voxel_workloads(dev):
     """The voxel family at its issue-10 target shapes: dynamic_scatter forward (voxel_group's
     launch sequence + segment_reduce) and C = 64 backward, hard voxelization, pillar_scatter."""
-    from benchmarks import bench_dynamic_scatter, bench_pillar_scatter, bench_voxelization, harness
+    from benchmarks import bench_dynamic_scatter, bench_pillar_scatter, bench_voxelization
     from mu_space.ops.dynamic_scatter import dynamic_scatter
     from mu_space.ops.pillar_scatter import pillar_scatter
     from mu_space.ops.voxelization import voxelization
@@ -132,7 +133,6 @@ def torch_profile(name: str, fn, calls: int = 20) -> str:
     """Per-kernel device times of `calls` calls from torch.profiler (CUPTI): the breakdown when
     neither nsys nor ncu is on the machine. Wall time per call from CUDA events around the calls
     (warm L2: these are for the split, the benchmarks give the cold-L2 figures)."""
-    activities = [torch.profiler.ProfilerActivity.CUDA]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -141,16 +141,8 @@ def torch_profile(name: str, fn, calls: int = 20) -> str:
     end.record()
     torch.cuda.synchronize()
     wall_us = start.elapsed_time(end) * 1000 / calls
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    kernels = [
-        (e.key, float(getattr(e, "self_device_time_total", 0.0)))
-        for e in prof.key_averages()
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
-    ]
-    return f"== {name}\n" + kernel_table(kernels, calls, wall_us)
+    kernels = harness.device_kernel_times(fn, calls)  # already per call
+    return f"== {name}\n" + kernel_table(list(kernels.items()), 1, wall_us)
 
 
 def main(argv=None) -> int:

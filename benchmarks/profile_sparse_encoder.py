@@ -51,13 +51,6 @@ def category(name: str) -> str:
     return "other"
 
 
-def _device_us(evt) -> float:
-    for attr in ("self_device_time_total", "self_cuda_time_total"):
-        if hasattr(evt, attr):
-            return float(getattr(evt, attr))
-    return 0.0
-
-
 def profile(steps: int, dtype: torch.dtype, direction: str, smoke: bool) -> dict:
     on_gpu = torch.cuda.is_available()
     backend = "native" if on_gpu else "reference"
@@ -80,28 +73,19 @@ def profile(steps: int, dtype: torch.dtype, direction: str, smoke: bool) -> dict
 
     for _ in range(2):  # warm-up: cuBLAS handles, allocator, lazy module state
         step()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if on_gpu:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if on_gpu:
-            torch.cuda.synchronize()
+    if on_gpu:  # the device's own events: kernels, memsets, copies
+        kernels = harness.device_kernel_times(step, steps)
+    else:  # the reference's aten ops on the CPU (the mechanics only)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        kernels = {}
+        for evt in prof.key_averages():
+            if evt.key.startswith("aten::"):
+                kernels[evt.key] = kernels.get(evt.key, 0.0) + evt.self_cpu_time_total / steps
     totals: dict[str, float] = {}
-    kernels: dict[str, float] = {}
-    for evt in prof.key_averages():
-        if on_gpu:  # the device's own events: kernels, memsets, copies
-            if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
-                continue
-            us = _device_us(evt)
-        else:
-            if not evt.key.startswith("aten::"):
-                continue
-            us = float(evt.self_cpu_time_total)
-        totals[category(evt.key)] = totals.get(category(evt.key), 0.0) + us / steps
-        kernels[evt.key] = kernels.get(evt.key, 0.0) + us / steps
+    for name, us in kernels.items():
+        totals[category(name)] = totals.get(category(name), 0.0) + us
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     return {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu (aten ops, not a measurement)",
