@@ -22,8 +22,8 @@
 //    rows' off-diagonal entries into the removed words (shared atomics). The entries of tile
 //    k + 1 are loaded into registers while tile k resolves (they do not depend on decisions),
 //    so the walk never waits on global memory per box. Kept bits and running counts per tile
-//    go to the workspace; a final pass writes keep[1 + rank] = order[box] in parallel.
-// Everything runs on the caller's stream; the caller reads keep[0] (the count: the one sync).
+//    go to the workspace; a final pass writes keep[rank] = order[box] in parallel.
+// Everything runs on the caller's stream; the caller reads keep[n] (the count: the one sync).
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -312,15 +312,16 @@ __global__ void __launch_bounds__(kReduceThreads)
     const int b = static_cast<int>(i % kTile);
     const Word kept = tile_kept[k];
     if ((kept >> b) & 1) {
-      keep[1 + tile_base[k] + __popcll(kept & ((Word{1} << b) - 1))] = order[i];
+      keep[tile_base[k] + __popcll(kept & ((Word{1} << b) - 1))] = order[i];
     }
   }
-  if (tid == 0) keep[0] = count;
+  if (tid == 0) keep[n] = count;
 }
 
 // boxes [n_rows, W] (layout: box3d::Layout; W = 7, 5, 5, 3), order [n] int64 (rows of boxes in
-// visiting order), workspace int64 [box3d_nms_workspace_ints(n)], keep int64 [n + 1]: keep[0]
-// = the kept count K, keep[1 .. K] = the kept rows of boxes in visiting order. kind:
+// visiting order), workspace int64 [box3d_nms_workspace_ints(n)], keep int64 [n + 1]: keep[0 .. K)
+// = the kept rows of boxes in visiting order, keep[n] = the kept count K (rows first, so the
+// result keep[:K] starts at the allocation, as the op's fake tensor does). kind:
 // box3d::Kind 1, 2, 4 or 5; threshold: the float32 threshold (circle: already rounded down);
 // max_keep <= 0: no limit.
 void nms(TensorView boxes, TensorView order, TensorView workspace, TensorView keep, int64_t layout,
@@ -356,7 +357,7 @@ void nms(TensorView boxes, TensorView order, TensorView workspace, TensorView ke
   DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
   if (n == 0) {
-    launch_zero(data_of(keep), 8, device_id, st, "box3d_nms fill (count)");
+    launch_zero(data_of(keep), 8, device_id, st, "box3d_nms fill (count)");  // keep[n], n = 0
     return;
   }
   int64_t* ws = data_of<int64_t>(workspace);

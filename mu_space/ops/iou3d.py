@@ -216,11 +216,11 @@ def run_nms(boxes, order, layout: int, kind: int, thresh: float, max_keep, backe
     order = order.contiguous()
     n = order.shape[0]
     workspace = torch.empty(_nms_workspace_ints(n), dtype=torch.int64, device=boxes.device)
-    keep = torch.empty(n + 1, dtype=torch.int64, device=boxes.device)  # [count, kept rows...]
+    keep = torch.empty(n + 1, dtype=torch.int64, device=boxes.device)  # [kept rows..., count]
     native.function("box3d_nms")(
         boxes, order, workspace, keep, layout, kind, thr, max_keep or 0, stream_handle(boxes)
     )
-    return keep[1 : 1 + int(keep[0])]  # the one host synchronisation
+    return keep[: int(keep[n])]  # the one host synchronisation; offset 0, as the fake
 
 
 @functools.lru_cache(maxsize=256)
