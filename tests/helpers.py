@@ -3,6 +3,8 @@ explicit bound, poisoned buffers, GPU selection. Tolerances live in mu_space.tes
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -38,3 +40,15 @@ def native_gpu_device() -> torch.device:
     if reason is not None:
         pytest.skip(f"native library unusable on {device}: {reason}")
     return device
+
+
+def graph_capture_device() -> torch.device:
+    """native_gpu_device() for a CUDA-graph capture test. Skips under
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 (the sanitizer memcheck runs): every allocation is then a
+    cudaMalloc, which stream capture forbids (seen on the H200, 2026-12-01: error 900 inside
+    torch's allocator, not in a muSPACE call)."""
+    if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
+        pytest.skip(
+            "CUDA graph capture needs the caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1)"
+        )
+    return native_gpu_device()

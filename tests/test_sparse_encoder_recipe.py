@@ -167,7 +167,10 @@ def test_time_breakdown_categories_and_smoke_run(tmp_path):
     }
     assert {n: prof.category(n) for n in names} == names
     assert (
-        prof.main(["--smoke", "--steps", "1", "--direction", "forward", "--out", str(tmp_path)])
+        prof.main(
+            ["--smoke", "--steps", "1", "--dtype", "float32", "--direction", "forward"]
+            + ["--out", str(tmp_path)]
+        )
         == 0
     )
     (res,) = json.loads((tmp_path / "profile_sparse_encoder.json").read_text())

@@ -25,7 +25,7 @@ from mu_space.ops.bev_pool_prepare import (
 )
 from mu_space.runtime import native
 from mu_space.testing import bev_geometry
-from tests.helpers import native_gpu_device, poisoned
+from tests.helpers import graph_capture_device, native_gpu_device, poisoned
 
 GRID = ((-51.2, -51.2, -5.0), (0.8, 0.8, 8.0), (128, 128, 1))  # BEVDet-R50's grid
 # the module (mu_space.ops.bev_pool_prepare is the function: the package re-exports it)
@@ -826,7 +826,7 @@ def test_native_padded_view_transform_captured_in_one_cuda_graph():
     from mu_space.ops.bev_pool_v2 import bev_pool_v2
     from mu_space.testing import tolerances
 
-    device = native_gpu_device()
+    device = graph_capture_device()
     g = bev_geometry.make("bevdet-r50")
     grid = (g["grid_lower_bound"], g["grid_interval"], g["grid_size"])
     shape = g["bev_feat_shape"]

@@ -23,7 +23,13 @@ from mu_space.ops.bev_pool_v2 import (
 )
 from mu_space.runtime import native
 from mu_space.testing import bev_geometry
-from tests.helpers import assert_close, native_gpu_device, poisoned, tolerance
+from tests.helpers import (
+    assert_close,
+    graph_capture_device,
+    native_gpu_device,
+    poisoned,
+    tolerance,
+)
 from tests.ops import _bev_pool_v2_model as model
 
 bpv2 = sys.modules[
@@ -746,7 +752,7 @@ def test_native_backward_without_depth(deterministic):
 
 @pytest.mark.gpu
 def test_cuda_graph_capture_of_forward_and_backward():
-    device = native_gpu_device()
+    device = graph_capture_device()
     args = list(make_inputs("bevdet-r50", device=device))
     depth = args[0].clone().requires_grad_(True)
     feat = args[1].clone().requires_grad_(True)

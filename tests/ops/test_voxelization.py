@@ -20,7 +20,7 @@ import mu_space
 from mu_space.ops import _voxel
 from mu_space.ops.voxel_layers import PointToVoxel, Voxelization
 from mu_space.testing import lidar
-from tests.helpers import native_gpu_device
+from tests.helpers import graph_capture_device, native_gpu_device
 from tests.ops import _voxel_model as model
 from tests.ops import _voxel_oracle as oracle
 
@@ -516,7 +516,7 @@ def test_native_safety_cases():
 
 @pytest.mark.gpu
 def test_native_padded_is_cuda_graph_capturable():
-    device = native_gpu_device()
+    device = graph_capture_device()
     vs, pcr, P, V = lidar.layer_args("pointpillars-kitti")
     pts = lidar.VOXEL_CONFIGS["pointpillars-kitti"].points().to(device)
     static = pts.clone()
