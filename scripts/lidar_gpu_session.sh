@@ -37,7 +37,9 @@
 # _box3d.py UNVERIFIED, _sparse_native.py UNVERIFIED) and run `check` again without the variable.
 # Logs, junit XML, benchmark JSON (results/) and the peers' .so packed into $OUT/lidar_<stage>.tar.gz
 # ($OUT default ./gpu-out/lidar); benchmark JSON also in benchmarks/results/.
-# Env: OUT, CUDA_ARCH (default 90a), BENCH_ARGS, SPCONV, TEST_TIMEOUT (per test, default 120 s).
+# Env: OUT, CUDA_ARCH (default 90a), BENCH_ARGS, SPCONV, TEST_TIMEOUT (per test, default 120 s),
+# STAGE_LIMIT, SANITIZER_LIMIT, BENCH_LIMIT, PROFILE_LIMIT (s: a pytest stage, a sanitizer, a
+# benchmark, the sparse encoder profile).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in check | sanitize | bench | all) ;; *) sed -n '2,40p' "$0"; exit 2 ;; esac
@@ -186,7 +188,7 @@ stage_bench() {
   if [ "${SPCONV:-0}" = 1 ]; then
     # shellcheck disable=SC2046
     python3 -m benchmarks._spconv_peer $(results sparse_conv) | tee "$OUT/spconv_ratios.md"
-    timeout 120 python3 -m benchmarks.profile_sparse_encoder --out "$OUT" \
+    timeout "${PROFILE_LIMIT:-120}" python3 -m benchmarks.profile_sparse_encoder --out "$OUT" \
       >"$OUT/profile_sparse_encoder.md" 2>&1 || status=1  # where the encoder's time goes
   else
     # shellcheck disable=SC2046
