@@ -59,10 +59,13 @@ TARGETS = ()  # relative to spconv: benchmarks/_spconv_peer.py (TARGET_RATIO, GO
 # same-dtype reference cannot work: on the H200 (2026-12-01, CenterPoint frame, 118561 voxels)
 # float16 input gradients were 11.6% (native) and 11.8% (reference) off float64, so 9% off each
 # other; float32 ones 0.19% and 0.17%. On the ~500-voxel smoke frame the ratio of two float16
-# rounding errors fluctuates more (a 1.25 x slack failed there on the H200, 2026-12-01), so the
-# slack is 2 and float16 gets a floor of 8 units of its roundoff (2^-11); a wrong rule-book pair or
-# kernel offset moves a result by far more (order 1e-2 to 1 relative).
-ENCODER_SLACK = 2.0
+# rounding errors fluctuates more (a 1.25 x slack failed there on the H200, 2026-12-01), and on
+# the full frame, float32 forward + backward, spconv's worst result was 2.6 x (result 1: 0.00172
+# vs 0.000657) and ours 2.8 x (result 45: 0.00135 vs 0.000477) further off float64 than the
+# reference's (same run): the slack is 3, and float16
+# gets a floor of 8 units of its roundoff (2^-11). A wrong rule-book pair or kernel offset moves a
+# result by far more (order 1e-2 to 1 relative).
+ENCODER_SLACK = 3.0
 ENCODER_FLOOR = {torch.float32: 1e-6, torch.float16: 8 * 2.0**-11}
 # spconv's twins (implicit GEMM, its own accumulation order and float16 rounding): max-relative
 PEER_TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
@@ -131,13 +134,11 @@ def _no_worse_than_reference(truth_of):
     return check
 
 
-def _max_relative(tol: float, perm=None):
+def _max_relative(tol: float):
     def check(out, ref) -> None:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         refs = ref if isinstance(ref, (tuple, list)) else (ref,)
         for i, (a, b) in enumerate(zip(outs, refs)):
-            if i == 0 and perm is not None:
-                a = a[perm]
             a, b = a.detach().double(), b.detach().double()
             err, scale = float((a - b).abs().max()), float(b.abs().max())
             assert err <= tol * scale + 1e-30, (
@@ -318,24 +319,40 @@ def layer_cases(kind, cin, cout, idx, shape, batch, dtype, label=None, extra=Non
             )
         )  # fmt: skip
     if twin is not None:
-        with torch.no_grad():
-            out_sp = twin(make_twin_input(feats))
-        # twin output rows[perm] == our rows (SubM / inverse: the input order, identity)
-        if kind == "strided-k3s2":
-            perm = peer.matching(out_sp.indices, out_ref.indices)
-        else:
-            perm = torch.arange(m, device=dev)
-        g_sp = torch.empty_like(grad)
-        g_sp[perm] = grad
+        # spconv's strided output rows come in an order of its own that may change from call to
+        # call (its hash-based unique; on the H200, 2026-12-01, one permutation taken at set-up
+        # scrambled the timed calls' rows: max|a-b| ~ the scale). So each checked forward
+        # returns its own output sites, and each backward's g_out is permuted for its forward.
+        strided = kind == "strided-k3s2"
+        our_sites = out_ref.indices
+
+        def twin_forward(f):
+            out = twin(make_twin_input(f))
+            return (out.features, out.indices) if strided else out.features
+
+        def twin_check(out, ref_out) -> None:
+            if strided:
+                features, sites = out
+                out = features[peer.matching(sites, our_sites)]  # our row order
+            _max_relative(tol)(out, ref_out)
+
+        def twin_bwd_args():
+            leaf = feats.detach().requires_grad_(True)
+            out = twin(make_twin_input(leaf))
+            g_sp = grad
+            if strided:  # twin rows[perm] == our rows: g_sp[perm] = our g_out
+                g_sp = torch.empty_like(grad)
+                g_sp[peer.matching(out.indices, our_sites)] = grad
+            return out.features, (leaf, twin.weight), g_sp
+
         tol = PEER_TOL[dtype]
         twin_params = {**params, "implementation": f"spconv {peer.version()}"}
         cases.append(
             Case(
                 name=f"{name}-forward-{dt}-spconv", op="sparse_conv", direction="forward",
                 dtype=dtype, params=twin_params, compulsory_bytes=fwd_bytes,
-                fn=fwd(twin, make_twin_input), make_args=lambda: feats,
-                reference=fwd(ref, make_input), check=_max_relative(tol, perm),
-                time_reference=False,
+                fn=twin_forward, make_args=lambda: feats,
+                reference=fwd(ref, make_input), check=twin_check, time_reference=False,
             )
         )  # fmt: skip
         if backward:
@@ -343,7 +360,7 @@ def layer_cases(kind, cin, cout, idx, shape, batch, dtype, label=None, extra=Non
                 Case(
                     name=f"{name}-backward-{dt}-spconv", op="sparse_conv", direction="backward",
                     dtype=dtype, params=twin_params, compulsory_bytes=bwd_bytes,
-                    fn=harness.autograd_backward, make_args=bwd_args(twin, make_twin_input, g_sp),
+                    fn=harness.autograd_backward, make_args=twin_bwd_args,
                     reference=ref_backward, check=_max_relative(tol), time_reference=False,
                 )
             )  # fmt: skip
