@@ -217,3 +217,63 @@ def test_native_raises_the_reference_errors():
     num[0] = len(idx) + 1
     with pytest.raises(ValueError, match="indice_pair_num"):
         sparse_maxpool(x, rb.indice_pairs, num, len(idx), backend="native")
+
+
+# ------------------------------------------------------ the per-rule-book check cache (CPU)
+
+
+def test_checked_pairs_entry_lives_with_its_tensors_and_versions():
+    """_sparse_native.CHECKED_PAIRS answers only for the same two tensor objects, the same
+    sizes and unmodified contents (version counters); inference tensors are never cached."""
+    from mu_space.ops._sparse_native import _CheckedPairs
+
+    cache = _CheckedPairs()
+    pairs, num = torch.zeros(2, 2, 5, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    cache.put(pairs, num, 5, 5, False, ("header", [1, 1], False))
+    assert cache.get(pairs, num, 5, 5, False) == ("header", [1, 1], False)
+    assert cache.get(pairs, num, 5, 6, False) is None  # other sizes: not checked for them
+    assert cache.get(pairs, num, 5, 5, True) is None
+    assert cache.get(pairs.clone(), num, 5, 5, False) is None  # another object, same values
+    pairs[0, 0, 0] = 3  # in place: the entry is stale
+    assert cache.get(pairs, num, 5, 5, False) is None
+    cache.put(pairs, num, 5, 5, False, ("h", [1, 1], False))
+    num.add_(1)
+    assert cache.get(pairs, num, 5, 5, False) is None
+    with torch.inference_mode():
+        p_inf, n_inf = torch.zeros(2, 2, 5, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    cache.put(p_inf, n_inf, 5, 5, False, ("h", [1, 1], False))
+    assert cache.get(p_inf, n_inf, 5, 5, False) is None
+
+
+def test_checked_pairs_is_bounded():
+    from mu_space.ops._sparse_native import _CheckedPairs
+
+    cache = _CheckedPairs()
+    keep = [(torch.zeros(1, 2, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))]
+    for _ in range(cache.MAX_ENTRIES + 10):
+        keep.append((torch.zeros(1, 2, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)))
+        cache.put(*keep[-1], 1, 1, False, ("h", [0], False))
+    assert len(cache._entries) == cache.MAX_ENTRIES
+    assert cache.get(*keep[-1], 1, 1, False) is not None  # the newest stay
+    assert cache.get(*keep[1], 1, 1, False) is None  # the oldest went
+
+
+@pytest.mark.gpu
+def test_a_rule_book_modified_after_its_check_is_checked_again():
+    """The check runs once per rule book (its result cached): writing an out-of-range row into
+    the pairs after a successful conv must still be the reference's error on the next call, not
+    a gather from a stale check (an illegal access)."""
+    from mu_space.ops import _sparse_native
+
+    idx, batch = lidar_indices(keep=2000)
+    rb = _rulebook(idx, batch, "subm k3", "native")
+    x = _feats(len(idx), 4, torch.float32, 8)
+    w = torch.ones(27, 4, 4, device=x.device)
+    args = (rb.indice_pair_num, len(idx))
+    first = sparse_conv(x, w, rb.indice_pairs, *args, backend="native")
+    again = sparse_conv(x, w, rb.indice_pairs, *args, backend="native")  # the cached check
+    assert torch.equal(first, again)
+    assert _sparse_native.CHECKED_PAIRS.get(rb.indice_pairs, *args, len(idx), False) is not None
+    rb.indice_pairs[3, 1, 0] = len(idx)
+    with pytest.raises(ValueError, match="indice_pairs"):
+        sparse_conv(x, w, rb.indice_pairs, *args, backend="native")
