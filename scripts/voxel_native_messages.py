@@ -56,11 +56,13 @@ def collect(path: str) -> dict:
     coors = np.zeros((n, 4), i32)
     wsg = np.zeros(int(lib["voxel_group_workspace_ints"](n)), i32)
     vec = np.zeros(n, i32)
-    cases["voxel_group_forward"] = _battery(
+    cases["voxel_group_keys"] = _battery(lib, "voxel_group_keys", [coors, wsg, vec, 0])
+    cases["voxel_group_from_sorted"] = _battery(
         lib,
-        "voxel_group_forward",
-        [coors, wsg, coors.copy(), vec, vec.copy(), vec.copy(), vec.copy(), np.zeros(3, i64), 0],
-    )
+        "voxel_group_from_sorted",
+        [coors, wsg, vec, np.zeros(n, i64), coors.copy(), vec.copy(), vec.copy(), vec.copy(),
+         vec.copy(), np.zeros(3, i64), 0],
+    )  # fmt: skip
     m = 3
     feats, order, starts = np.zeros((n, C), f32), np.zeros(n, i32), np.zeros(m, i32)
     cases["segment_reduce_forward"] = _battery(

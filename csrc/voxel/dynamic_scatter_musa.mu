@@ -3,7 +3,9 @@
 // of each voxel's feature rows, forward and backward). docs/operators/dynamic_scatter.md has the
 // long form; in short:
 //
-// voxel_group_forward (one launch sequence, no host sync; the caller reads the header):
+// voxel_group, two entry points around a stable sort by the caller (torch.sort: CUB's radix sort
+// under CUDA, torch_musa's under MUSA), no host sync; the caller reads the header:
+//   voxel_group_keys
 //   1. colmax_kernel   a row is valid when no entry is negative; per column the largest value
 //                      of the valid rows (block-reduced, then one atomicMax per block), the
 //                      valid rows counted; a value beyond int32 sets the overflow flag
@@ -12,10 +14,13 @@
 //                      invalid rows get the sentinel prod(dims) (larger than every key); a
 //                      prod(dims) beyond the int32 keys sets the overflow flag (the caller then
 //                      takes the reference path; nothing is read out of bounds meanwhile)
-//   3. radix sort      stable, 3 passes of 11 bits (31-bit keys; the range is on the device)
-//   4. run flags, scan the voxel of each sorted position (run starts counted)
-//   5. emit_kernel     order, point2voxel, starts, voxel_coors (the run's first row)
-//   6. counts_kernel   counts[v] = starts[v + 1] - starts[v]; the header (M, K, overflow)
+//   then the caller's stable sort of the keys (sorted keys + the permutation, int64)
+//   voxel_group_from_sorted (the same workspace: its header holds the sentinel and K)
+//   3. run flags, scan the voxel of each sorted position (run starts counted)
+//   4. emit_kernel     order, point2voxel, starts, voxel_coors (the run's first row)
+//   5. counts_kernel   counts[v] = starts[v + 1] - starts[v]; the header (M, K, overflow)
+// The sort was our own LSD radix sort (3 passes of 11 bits over 31-bit keys: the key range is
+// on the device); on the H200 (2026-12-01, 300k points) it took 125 of the grouping's 161 us.
 //
 // segment_reduce_forward: a thread per (voxel, channel) sums (or maxes, NaN ignored) the voxel's
 // rows in input order in float32 and rounds once. segment_reduce_backward: sum / mean a thread
@@ -38,19 +43,22 @@
 #include "gpu_compat.muh"
 #include "launch.muh"
 #include "vec.muh"
+#include "scan.muh"
 #include "voxel_grid.muh"
-#include "voxel_sort.muh"
 
 namespace muspace {
 namespace voxel {
 namespace {
+
+using scan::exclusive_scan;
+using scan::kBlock;  // threads of every kernel here
+using scan::scan_tiles;
 
 constexpr int kBlocksPerSm = 8;
 constexpr int kMaxNdim = 4;
 constexpr int64_t kMaxRows = int64_t{1} << 30;
 MUSPACE_LIMIT(voxel_group, max_points, kMaxRows);
 MUSPACE_LIMIT(segment_reduce, max_points, kMaxRows);
-constexpr int kKeyBits = 31;  // keys < 2^31: the sentinel prod(dims) <= kMaxKeyRange
 constexpr int64_t kMaxKeyRange = INT_MAX - 1;
 
 // int32 header of the workspace
@@ -102,7 +110,7 @@ __global__ void __launch_bounds__(kBlock)
 template <typename I>
 __global__ void __launch_bounds__(kBlock)
     group_keys_kernel(const I* __restrict__ coors, int n, int ndim, int* __restrict__ header,
-                      uint32_t* __restrict__ keys, int* __restrict__ idx) {
+                      uint32_t* __restrict__ keys) {
   int64_t dims[kMaxNdim];
   int64_t range = 1;
   for (int c = 0; c < ndim; ++c) {
@@ -126,7 +134,6 @@ __global__ void __launch_bounds__(kBlock)
       key = static_cast<uint32_t>(k);
     }
     keys[i] = key;
-    idx[i] = static_cast<int>(i);
   }
 }
 
@@ -147,14 +154,15 @@ __global__ void __launch_bounds__(kBlock)
 template <typename I>
 __global__ void __launch_bounds__(kBlock)
     group_emit_kernel(const I* __restrict__ coors, int n, int ndim,
-                      const uint32_t* __restrict__ keys, const int* __restrict__ idx,
+                      const uint32_t* __restrict__ keys, const int64_t* __restrict__ idx,
                       const int* __restrict__ run, const int* __restrict__ header,
                       I* __restrict__ voxel_coors, int* __restrict__ order,
                       int* __restrict__ starts, int* __restrict__ point2voxel) {
   const uint32_t sentinel = static_cast<uint32_t>(header[kSentinel]);
   for (int64_t p = global_thread(); p < n; p += global_threads()) {
-    const int i = idx[p];
-    if (static_cast<unsigned>(i) >= static_cast<unsigned>(n)) continue;
+    const int64_t i64 = idx[p];
+    if (static_cast<uint64_t>(i64) >= static_cast<uint64_t>(n)) continue;
+    const int i = static_cast<int>(i64);
     if (keys[p] == sentinel) {
       point2voxel[i] = -1;
       continue;
@@ -288,7 +296,7 @@ int blocks_for(int64_t n_threads, int device_id) {
 }
 
 struct GroupLayout {
-  int64_t header, keys_a, vals_a, keys_b, vals_b, hist, sums, run, ints;
+  int64_t header, run, sums, ints;
 };
 
 int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
@@ -302,13 +310,8 @@ GroupLayout group_layout(int64_t n) {
     return at;
   };
   l.header = take(kHeaderInts);
-  l.keys_a = take(n);
-  l.vals_a = take(n);
-  l.keys_b = take(n);
-  l.vals_b = take(n);
-  l.hist = take(radix_hist_ints(n));
-  l.sums = take(radix_sums_ints(n));
   l.run = take(n);
+  l.sums = take(scan_tiles(n) + 1);
   l.ints = off;
   return l;
 }
@@ -322,11 +325,8 @@ int64_t group_workspace_ints(int64_t n) {
   return group_layout(n).ints;
 }
 
-// All outputs have N entries (upper bounds); the header [3] int64 gets (M voxels, K kept rows,
-// overflow): the first M / K entries of voxel_coors, starts, counts / order are the result.
-void group_forward(TensorView coors, TensorView workspace, TensorView voxel_coors, TensorView order,
-                   TensorView starts, TensorView counts, TensorView point2voxel, TensorView header,
-                   int64_t stream) {
+// The checks of coors (both entry points) -> n; ndim in [1, kMaxNdim].
+int64_t check_group_coors(const TensorView& coors) {
   check_gpu_tensor(coors, "coors");
   check_index_input(coors, "coors", coors);
   check_ndim(coors, "coors", 2);
@@ -338,6 +338,61 @@ void group_forward(TensorView coors, TensorView workspace, TensorView voxel_coor
   if (n > kMaxRows) {
     TVM_FFI_THROW(ValueError) << "coors has " << n << " rows; at most " << kMaxRows;
   }
+  return n;
+}
+
+GroupLayout check_group_workspace(const TensorView& workspace, const TensorView& coors,
+                                  int64_t n) {
+  const GroupLayout l = group_layout(n);
+  check_input(workspace, "workspace", coors, kInt32);
+  check_ndim(workspace, "workspace", 1);
+  if (workspace.size(0) < l.ints) {
+    TVM_FFI_THROW(ValueError) << "workspace must hold " << l.ints << " int32 (from "
+                              << "voxel_group_workspace_ints), got " << workspace.size(0);
+  }
+  check_aligned(workspace, "workspace", 16);
+  return l;
+}
+
+// keys [N] int32 <- each row's key (the sentinel for rows with a negative entry); the workspace
+// header <- column maxima, K, the sentinel, the overflow flag (read by voxel_group_from_sorted).
+void group_keys(TensorView coors, TensorView workspace, TensorView keys, int64_t stream) {
+  const int64_t n = check_group_coors(coors);
+  check_vector(keys, "keys", coors, kInt32, n);
+  const GroupLayout l = check_group_workspace(workspace, coors, n);
+  const int device_id = coors.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  int* head = data_of<int>(workspace) + l.header;
+  launch_zero(head, kHeaderInts * 4, device_id, st, "voxel_group fill (header)");
+  if (n == 0) return;
+  const int ni = static_cast<int>(n);
+  const int nd = static_cast<int>(coors.size(1));
+  // keys < 2^31 (kMaxKeyRange): the same order as int32 and as uint32
+  uint32_t* out = reinterpret_cast<uint32_t*>(data_of<int>(keys));
+  dispatch_index(coors, "coors", [&](auto tag) {
+    using I = decltype(tag);
+    colmax_kernel<I>
+        <<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const I>(coors), ni, nd, head);
+    check_launch("voxel_group colmax_kernel");
+    group_keys_kernel<I><<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const I>(coors), ni,
+                                                                      nd, head, out);
+    check_launch("voxel_group keys_kernel");
+  });
+}
+
+// From voxel_group_keys' keys stably sorted (sorted_keys [N] int32, perm [N] int64: position p
+// holds row perm[p]) and its workspace: all outputs have N entries (upper bounds); the header
+// [3] int64 gets (M voxels, K kept rows, overflow): the first M / K entries of voxel_coors,
+// starts, counts / order are the result. A perm entry outside [0, N) is skipped.
+void group_from_sorted(TensorView coors, TensorView workspace, TensorView sorted_keys,
+                       TensorView perm, TensorView voxel_coors, TensorView order, TensorView starts,
+                       TensorView counts, TensorView point2voxel, TensorView header,
+                       int64_t stream) {
+  const int64_t n = check_group_coors(coors);
+  const int64_t ndim = coors.size(1);
+  check_vector(sorted_keys, "sorted_keys", coors, kInt32, n);
+  check_vector(perm, "perm", coors, kInt64, n);
   check_input(voxel_coors, "voxel_coors", coors, coors.dtype());
   check_ndim(voxel_coors, "voxel_coors", 2);
   check_size(voxel_coors, "voxel_coors", 0, n);
@@ -347,46 +402,19 @@ void group_forward(TensorView coors, TensorView workspace, TensorView voxel_coor
   check_vector(counts, "counts", coors, kInt32, n);
   check_vector(point2voxel, "point2voxel", coors, kInt32, n);
   check_vector(header, "header", coors, kInt64, 3);
-  const GroupLayout l = group_layout(n);
-  check_input(workspace, "workspace", coors, kInt32);
-  check_ndim(workspace, "workspace", 1);
-  if (workspace.size(0) < l.ints) {
-    TVM_FFI_THROW(ValueError) << "workspace must hold " << l.ints << " int32 (from "
-                              << "voxel_group_workspace_ints), got " << workspace.size(0);
-  }
-  check_aligned(workspace, "workspace", 16);
+  const GroupLayout l = check_group_workspace(workspace, coors, n);
   const int device_id = coors.device().device_id;
   DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
-  int* ws = data_of<int>(workspace);
-  int* head = ws + l.header;
-  launch_zero(head, kHeaderInts * 4, device_id, st, "voxel_group fill (header)");
   if (n == 0) {
     launch_zero(data_of(header), 3 * 8, device_id, st, "voxel_group fill (header out)");
     return;
   }
+  int* ws = data_of<int>(workspace);
+  int* head = ws + l.header;
   const int ni = static_cast<int>(n);
   const int nd = static_cast<int>(ndim);
-  uint32_t* keys_a = reinterpret_cast<uint32_t*>(ws + l.keys_a);
-  uint32_t* keys_b = reinterpret_cast<uint32_t*>(ws + l.keys_b);
-  int* vals_a = ws + l.vals_a;
-  int* vals_b = ws + l.vals_b;
-  dispatch_index(coors, "coors", [&](auto tag) {
-    using I = decltype(tag);
-    colmax_kernel<I>
-        <<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const I>(coors), ni, nd, head);
-    check_launch("voxel_group colmax_kernel");
-    group_keys_kernel<I><<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const I>(coors), ni,
-                                                                      nd, head, keys_a, vals_a);
-    check_launch("voxel_group keys_kernel");
-  });
-  const RadixPlan plan = radix_plan(kKeyBits);
-  const uint32_t* keys = keys_a;
-  const int* idx = vals_a;
-  if (radix_sort(keys_a, vals_a, keys_b, vals_b, ni, plan, ws + l.hist, ws + l.sums, st)) {
-    keys = keys_b;
-    idx = vals_b;
-  }
+  const uint32_t* keys = reinterpret_cast<const uint32_t*>(data_of<const int>(sorted_keys));
   int* run = ws + l.run;
   run_flags_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(keys, ni, head, run);
   check_launch("voxel_group run_flags_kernel");
@@ -394,8 +422,9 @@ void group_forward(TensorView coors, TensorView workspace, TensorView voxel_coor
   dispatch_index(coors, "coors", [&](auto tag) {
     using I = decltype(tag);
     group_emit_kernel<I><<<blocks_for(n, device_id), kBlock, 0, st>>>(
-        data_of<const I>(coors), ni, nd, keys, idx, run, head, data_of<I>(voxel_coors),
-        data_of<int>(order), data_of<int>(starts), data_of<int>(point2voxel));
+        data_of<const I>(coors), ni, nd, keys, data_of<const int64_t>(perm), run, head,
+        data_of<I>(voxel_coors), data_of<int>(order), data_of<int>(starts),
+        data_of<int>(point2voxel));
     check_launch("voxel_group emit_kernel");
   });
   group_counts_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
@@ -503,7 +532,8 @@ void reduce_backward(TensorView grad_out, TensorView feats, TensorView order, Te
 }  // namespace voxel
 }  // namespace muspace
 
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_forward, muspace::voxel::group_forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_keys, muspace::voxel::group_keys);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_from_sorted, muspace::voxel::group_from_sorted);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_workspace_ints, muspace::voxel::group_workspace_ints);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_reduce_forward, muspace::voxel::reduce_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_reduce_backward, muspace::voxel::reduce_backward);

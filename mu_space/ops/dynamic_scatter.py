@@ -9,11 +9,13 @@ the two primitives it is made of:
   its backward (max: the whole gradient to the first point holding the maximum, mmcv's
   tie rule).
 
-Native path: voxel_group is csrc/voxel/dynamic_scatter_musa.mu's stable radix sort of the
-mixed-radix coordinate keys (column maxima measured on the device), the runs of equal keys and
-one emit kernel; one host synchronisation (the voxel count: the output size). segment_reduce is
-one kernel per direction, no atomics, no synchronisation. Deterministic in both directions.
-The backward needs no re-sort: the grouping is an input of segment_reduce.
+Native path: voxel_group is csrc/voxel/dynamic_scatter_musa.mu's mixed-radix coordinate keys
+(column maxima measured on the device), a stable torch.sort of them (the platform's radix sort:
+CUB under CUDA, torch_musa's under MUSA; the kernels' own 3-pass radix sort took 125 of the
+grouping's 161 us for 300k points on the H200, 2026-12-01), the runs of equal keys and one emit
+kernel; one host synchronisation (the voxel count: the output size). segment_reduce is one
+kernel per direction, no atomics, no synchronisation. Deterministic in both directions. The
+backward needs no re-sort: the grouping is an input of segment_reduce.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _REDUCE_CODE = {"sum": 0, "mean": 1, "max": 2}
 FEAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 NATIVE_FEAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NATIVE_NDIM = 4
-GROUP_ENTRY_POINTS = ("voxel_group_forward", "voxel_group_workspace_ints")
+GROUP_ENTRY_POINTS = ("voxel_group_keys", "voxel_group_from_sorted", "voxel_group_workspace_ints")
 REDUCE_ENTRY_POINTS = ("segment_reduce_forward", "segment_reduce_backward")
 
 
@@ -154,8 +156,14 @@ def _group_native(c, coors) -> VoxelGroups:
     header = _opdef.new_output(coors, (3,), torch.int64)
     ints = int(native.function("voxel_group_workspace_ints")(n))
     workspace = torch.empty(ints, dtype=torch.int32, device=coors.device)
-    native.function("voxel_group_forward")(
-        coors, workspace, voxel_coors, order, starts, counts, p2v, header, stream_handle(coors)
+    keys = torch.empty(n, dtype=torch.int32, device=coors.device)
+    st = stream_handle(coors)
+    native.function("voxel_group_keys")(coors, workspace, keys, st)
+    # the platform's stable sort (CUB's radix sort under CUDA, torch_musa's under MUSA) on the
+    # same stream: ~4x faster than the kernels' own 3-pass radix sort (module docstring)
+    sorted_keys, perm = torch.sort(keys, stable=True)
+    native.function("voxel_group_from_sorted")(
+        coors, workspace, sorted_keys, perm, voxel_coors, order, starts, counts, p2v, header, st
     )
     m, k, overflow = header.tolist()  # the one host synchronisation: the voxel count
     if overflow:

@@ -21,7 +21,8 @@ from tests.native_calls import ReachedRuntime, load_library, relabelling
 ENTRY_POINTS = (
     "voxel_hard_forward",
     "voxel_dynamic_forward",
-    "voxel_group_forward",
+    "voxel_group_keys",
+    "voxel_group_from_sorted",
     "segment_reduce_forward",
     "segment_reduce_backward",
     "pillar_scatter_forward",
@@ -37,7 +38,8 @@ def library():
 @pytest.fixture
 def calls(library, monkeypatch):
     """The entry points the Python layer called, each stopped at the runtime."""
-    reached = relabelling(library, monkeypatch)
+    # voxel_group's keys call returns so that its second entry point is checked too
+    reached = relabelling(library, monkeypatch, continue_after=("voxel_group_keys",))
     for mod in ("_voxel", "dynamic_scatter", "pillar_scatter"):
         monkeypatch.setattr(sys.modules[f"mu_space.ops.{mod}"], "stream_handle", lambda t: 0)
     return reached
@@ -102,7 +104,7 @@ def test_scatter_entry_points_accept_the_python_arguments(calls, reduce):
     grad = torch.ones(g.starts.shape[0], pts.shape[1])
     with pytest.raises(ReachedRuntime):
         op.d.backward.native(c, grad, *schema, needs=(True,), deterministic=False)
-    assert calls == ["voxel_group_forward"] * 2 + [
+    assert calls == ["voxel_group_keys", "voxel_group_from_sorted"] * 2 + [
         "segment_reduce_forward",
         "segment_reduce_backward",
     ]
