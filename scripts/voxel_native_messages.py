@@ -41,13 +41,19 @@ def collect(path: str) -> dict:
     cases["voxel_dynamic_forward (batch)"] = _battery(
         lib, "voxel_dynamic_forward", [points, np.zeros((n, 4), i32), *grid, two, 0]
     )
+    cases["voxel_hard_keys"] = _battery(
+        lib, "voxel_hard_keys", [points, np.zeros(n, i32), *grid, one, 0]
+    )
+    sort = [np.zeros(n, i32), np.zeros(n, i64)]  # the sorted keys and the permutation
     ws = np.zeros(int(lib["voxel_hard_workspace_ints"](n, 1, rows)), i32)
-    hard = [points, ws, np.zeros((rows, P, C), f32), np.zeros((rows, 3), i32), np.zeros(rows, i32)]
+    hard = [points, *sort, ws, np.zeros((rows, P, C), f32), np.zeros((rows, 3), i32)]
     cases["voxel_hard_forward"] = _battery(
-        lib, "voxel_hard_forward", [*hard, np.zeros(2, i64), *grid, P, rows, one, False, 0]
+        lib,
+        "voxel_hard_forward",
+        [*hard, np.zeros(rows, i32), np.zeros(2, i64), *grid, P, rows, one, False, 0],
     )
     ws2 = np.zeros(int(lib["voxel_hard_workspace_ints"](n, 2, 2 * rows)), i32)
-    hard2 = [points, ws2, np.zeros((2 * rows, P, C), f32), np.zeros((2 * rows, 4), i32)]
+    hard2 = [points, *sort, ws2, np.zeros((2 * rows, P, C), f32), np.zeros((2 * rows, 4), i32)]
     cases["voxel_hard_forward (batch)"] = _battery(
         lib,
         "voxel_hard_forward",

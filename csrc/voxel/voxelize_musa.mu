@@ -5,11 +5,15 @@
 // or its -1 pattern for a dropped point (x invalid: (-1, 0, 0); y: (-1, -1, 0); z: (-1, -1, -1)),
 // with the sample index first for a batched call.
 //
-// Hard (voxel_hard_forward), deterministic, O(N) per pass, one launch sequence, no host sync:
-//   1. keys_kernel       per point its key = sample * cells + ((z * gy) + y) * gx + x, or the
-//                        sentinel (= samples * cells, larger than every key) when dropped
-//   2. radix sort        stable LSD sort of (key, point) by the key bits (voxel_sort.muh): the
+// Hard, deterministic, no host sync: two entry points around the caller's stable sort
+// (torch.sort: CUB's radix sort under CUDA, torch_musa's under MUSA; our own 3-pass radix sort
+// took ~85 of the 141 us of device time at 300k points on the H200, 2026-12-01):
+//   1. keys_kernel       (voxel_hard_keys) per point its key = sample * cells + ((z * gy) + y)
+//                        * gx + x, or the sentinel (= samples * cells, larger than every key)
+//                        when dropped
+//   2. the caller's stable sort of the keys -> sorted keys and the permutation (int64): the
 //                        points of a voxel are a run, in input order; runs ordered by key
+//   then voxel_hard_forward:
 //   3. first_flags       first[point] = 1 for the first point of each run (the voxel's first
 //                        point), 0 otherwise; every entry written (the sort is a permutation)
 //   4. scan(first)       -> each voxel's rank in first-occurrence order over the whole batch
@@ -41,13 +45,16 @@
 #include "dispatch.muh"
 #include "gpu_compat.muh"
 #include "launch.muh"
+#include "scan.muh"
 #include "voxel_grid.muh"
-#include "voxel_sort.muh"
 
 namespace muspace {
 namespace voxel {
 namespace {
 
+using scan::exclusive_scan;
+using scan::kBlock;  // threads of every kernel here
+using scan::scan_tiles;
 using tvm::ffi::Shape;
 
 constexpr int kBlocksPerSm = 8;  // grid cap of the grid-stride kernels, per multiprocessor
@@ -92,8 +99,7 @@ __global__ void __launch_bounds__(kBlock)
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
     keys_kernel(const T* __restrict__ points, int n, int features, Grid g, Samples s,
-                uint32_t cells, uint32_t sentinel, uint32_t* __restrict__ keys,
-                int* __restrict__ idx) {
+                uint32_t cells, uint32_t sentinel, uint32_t* __restrict__ keys) {
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
     const T* p = points + i * features;
     int cx = 0, cy = 0, cz = 0;
@@ -106,7 +112,6 @@ __global__ void __launch_bounds__(kBlock)
       key = static_cast<uint32_t>(k);  // < sentinel <= kMaxCells: checked by the launcher
     }
     keys[i] = key;
-    idx[i] = static_cast<int>(i);
   }
 }
 
@@ -116,11 +121,11 @@ __device__ __forceinline__ bool run_start(const uint32_t* keys, int p, uint32_t 
 }
 
 __global__ void __launch_bounds__(kBlock)
-    first_flags_kernel(const uint32_t* __restrict__ keys, const int* __restrict__ idx, int n,
+    first_flags_kernel(const uint32_t* __restrict__ keys, const int64_t* __restrict__ idx, int n,
                        uint32_t sentinel, int* __restrict__ first) {
   for (int64_t p = global_thread(); p < n; p += global_threads()) {
-    const int i = idx[p];
-    if (static_cast<unsigned>(i) < static_cast<unsigned>(n)) {
+    const int64_t i = idx[p];
+    if (static_cast<uint64_t>(i) < static_cast<uint64_t>(n)) {
       first[i] = run_start(keys, static_cast<int>(p), sentinel) ? 1 : 0;
     }
   }
@@ -145,15 +150,15 @@ __global__ void samples_kernel(const int* __restrict__ rank, const int* __restri
 }
 
 __global__ void __launch_bounds__(kBlock)
-    rows_kernel(const uint32_t* __restrict__ keys, const int* __restrict__ idx, int n,
+    rows_kernel(const uint32_t* __restrict__ keys, const int64_t* __restrict__ idx, int n,
                 uint32_t cells, uint32_t sentinel, int n_samples, const int* __restrict__ rank,
                 const int* __restrict__ sample_first, const int* __restrict__ sample_base,
                 int max_voxels, int rows, int* __restrict__ row_start) {
   for (int64_t p = global_thread(); p < n; p += global_threads()) {
     if (!run_start(keys, static_cast<int>(p), sentinel)) continue;
-    const int i = idx[p];
+    const int64_t i = idx[p];
     const int b = static_cast<int>(keys[p] / cells);
-    if (static_cast<unsigned>(i) >= static_cast<unsigned>(n) || b >= n_samples) continue;
+    if (static_cast<uint64_t>(i) >= static_cast<uint64_t>(n) || b >= n_samples) continue;
     const int local = rank[i] - sample_first[b];
     if (local < 0 || local >= max_voxels) continue;  // beyond max_voxels: dropped
     const int row = sample_base[b] + local;
@@ -166,7 +171,7 @@ __global__ void __launch_bounds__(kBlock)
 template <typename W>
 __global__ void __launch_bounds__(kBlock)
     emit_kernel(const W* __restrict__ points, int features, const uint32_t* __restrict__ keys,
-                const int* __restrict__ idx, int n, uint32_t cells, Grid g,
+                const int64_t* __restrict__ idx, int n, uint32_t cells, Grid g,
                 const int* __restrict__ row_start, const int64_t* __restrict__ counts, int rows,
                 int max_points, int padded, int ncols, W* __restrict__ voxels,
                 int* __restrict__ coors, int* __restrict__ num) {
@@ -192,8 +197,8 @@ __global__ void __launch_bounds__(kBlock)
     const uint32_t key = ok_start ? keys[start] : 0u;
     const int pos = start + slot;
     const bool member = ok_start && pos < n && keys[pos] == key;
-    const int i = member ? idx[pos] : -1;
-    if (member && static_cast<unsigned>(i) < static_cast<unsigned>(n)) {
+    const int64_t i = member ? idx[pos] : -1;
+    if (member && static_cast<uint64_t>(i) < static_cast<uint64_t>(n)) {
       const W* src = points + static_cast<int64_t>(i) * features;
       for (int f = 0; f < features; ++f) dst[f] = src[f];
     } else {
@@ -222,15 +227,6 @@ __global__ void __launch_bounds__(kBlock)
 
 int blocks_for(int64_t n_threads, int device_id) {
   return grid_for(n_threads, kBlock, device_id, kBlocksPerSm);
-}
-
-int bit_length(uint32_t v) {
-  int b = 0;
-  while (v != 0) {
-    ++b;
-    v >>= 1;
-  }
-  return b;
 }
 
 Grid make_grid(float vx, float vy, float vz, float x0, float y0, float z0, int64_t gx, int64_t gy,
@@ -300,8 +296,7 @@ int64_t check_points_tensor(const TensorView& points) {
 
 // The workspace of voxel_hard_forward, in int32 units (every region 16-byte aligned).
 struct HardLayout {
-  int64_t keys_a, vals_a, keys_b, vals_b, hist, sums, first, total, sample_first, sample_base,
-      row_start, ints;
+  int64_t sums, first, total, sample_first, sample_base, row_start, ints;
 };
 
 int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
@@ -314,12 +309,7 @@ HardLayout hard_layout(int64_t n, int64_t rows) {
     off += round4(std::max<int64_t>(k, 1));
     return at;
   };
-  l.keys_a = take(n);
-  l.vals_a = take(n);
-  l.keys_b = take(n);
-  l.vals_b = take(n);
-  l.hist = take(radix_hist_ints(n));
-  l.sums = take(radix_sums_ints(n));
+  l.sums = take(scan_tiles(n) + 1);
   l.first = take(n);
   l.total = take(1);
   l.sample_first = take(kMaxSamples);
@@ -371,14 +361,58 @@ void dynamic_forward(TensorView points, TensorView coors, float vx, float vy, fl
   });
 }
 
-void hard_forward(TensorView points, TensorView workspace, TensorView voxels, TensorView coors,
-                  TensorView num_points, TensorView counts, float vx, float vy, float vz, float x0,
-                  float y0, float z0, int64_t gx, int64_t gy, int64_t gz, int64_t max_points,
-                  int64_t max_voxels, Shape sample_offsets, bool padded, int64_t stream) {
+// Cells per sample (gx * gy * gz); samples * cells (the sentinel key) must fit the int32 keys.
+int64_t checked_cells(int64_t gx, int64_t gy, int64_t gz, const Samples& s) {
+  // gx, gy, gz < 2^31 each (make_grid): the products are checked step by step (no overflow)
+  const int64_t cells_xy = gx * gy;
+  const int64_t cells = cells_xy <= kMaxCells ? cells_xy * gz : kMaxCells + 1;
+  if (cells > kMaxCells || cells * s.count > kMaxCells) {
+    TVM_FFI_THROW(ValueError) << s.count << " samples of " << gx << "*" << gy << "*" << gz
+                              << " cells exceed the int32 keys (" << kMaxCells << " cells)";
+  }
+  return cells;
+}
+
+// keys [N] int32 <- each point's key (the sentinel samples * cells for a dropped point), for
+// the caller's stable sort before voxel_hard_forward.
+void hard_keys(TensorView points, TensorView keys, float vx, float vy, float vz, float x0,
+               float y0, float z0, int64_t gx, int64_t gy, int64_t gz, Shape sample_offsets,
+               int64_t stream) {
+  const int64_t n = check_points_tensor(points);
+  const Grid g = make_grid(vx, vy, vz, x0, y0, z0, gx, gy, gz);
+  const Samples s = make_samples(sample_offsets, n);
+  const int64_t cells = checked_cells(gx, gy, gz, s);
+  check_vector(keys, "keys", points, kInt32, n);
+  if (n == 0) return;
+  const int device_id = points.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  const uint32_t ucells = static_cast<uint32_t>(cells);
+  const uint32_t sentinel = static_cast<uint32_t>(cells * s.count);
+  // keys < 2^31 (kMaxCells): the same order as int32 and as uint32
+  uint32_t* out = reinterpret_cast<uint32_t*>(data_of<int>(keys));
+  dispatch_float<Bf16::kBits>(points, "points", [&](auto tag) {
+    using T = decltype(tag);
+    keys_kernel<T><<<blocks_for(n, device_id), kBlock, 0, st>>>(
+        data_of<const T>(points), static_cast<int>(n), static_cast<int>(points.size(1)), g, s,
+        ucells, sentinel, out);
+    check_launch("voxel keys_kernel");
+  });
+}
+
+// sorted_keys [N] int32 / perm [N] int64: voxel_hard_keys' keys stably sorted (position p holds
+// point perm[p]; an entry outside [0, N) is skipped).
+void hard_forward(TensorView points, TensorView sorted_keys, TensorView perm, TensorView workspace,
+                  TensorView voxels, TensorView coors, TensorView num_points, TensorView counts,
+                  float vx, float vy, float vz, float x0, float y0, float z0, int64_t gx,
+                  int64_t gy, int64_t gz, int64_t max_points, int64_t max_voxels,
+                  Shape sample_offsets, bool padded, int64_t stream) {
   const int64_t n = check_points_tensor(points);
   const int64_t features = points.size(1);
   const Grid g = make_grid(vx, vy, vz, x0, y0, z0, gx, gy, gz);
   const Samples s = make_samples(sample_offsets, n);
+  check_vector(sorted_keys, "sorted_keys", points, kInt32, n);
+  check_vector(perm, "perm", points, kInt64, n);
   if (max_points < 0 || max_points > kMaxPointsPerVoxel) {
     TVM_FFI_THROW(ValueError) << "max_points must be in [0, " << kMaxPointsPerVoxel << "], got "
                               << max_points;
@@ -389,13 +423,7 @@ void hard_forward(TensorView points, TensorView workspace, TensorView voxels, Te
   if (padded && s.count != 1) {
     TVM_FFI_THROW(ValueError) << "the padded mode takes one sample, got " << s.count;
   }
-  // gx, gy, gz < 2^31 each (make_grid): the products are checked step by step (no overflow)
-  const int64_t cells_xy = gx * gy;
-  const int64_t cells = cells_xy <= kMaxCells ? cells_xy * gz : kMaxCells + 1;
-  if (cells > kMaxCells || cells * s.count > kMaxCells) {
-    TVM_FFI_THROW(ValueError) << s.count << " samples of " << gx << "*" << gy << "*" << gz
-                              << " cells exceed the int32 keys (" << kMaxCells << " cells)";
-  }
+  const int64_t cells = checked_cells(gx, gy, gz, s);
   check_like(voxels, "voxels", points, "points");
   check_ndim(voxels, "voxels", 3);
   const int64_t rows = voxels.size(0);
@@ -444,27 +472,11 @@ void hard_forward(TensorView points, TensorView workspace, TensorView voxels, Te
   const int rows_i = static_cast<int>(rows);
   const int P = static_cast<int>(max_points);
   const int V = static_cast<int>(max_voxels);
-  uint32_t* keys_a = reinterpret_cast<uint32_t*>(ws + l.keys_a);
-  uint32_t* keys_b = reinterpret_cast<uint32_t*>(ws + l.keys_b);
-  int* vals_a = ws + l.vals_a;
-  int* vals_b = ws + l.vals_b;
-  const uint32_t* keys = keys_a;
-  const int* idx = vals_a;
+  const uint32_t* keys = reinterpret_cast<const uint32_t*>(data_of<const int>(sorted_keys));
+  const int64_t* idx = data_of<const int64_t>(perm);
   if (n == 0) {
     launch_zero(counts_p, (s.count + 1) * 8, device_id, st, "voxel fill (counts)");
   } else {
-    dispatch_float<Bf16::kBits>(points, "points", [&](auto tag) {
-      using T = decltype(tag);
-      keys_kernel<T><<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const T>(points), ni,
-                                                                  static_cast<int>(features), g, s,
-                                                                  ucells, sentinel, keys_a, vals_a);
-      check_launch("voxel keys_kernel");
-    });
-    const RadixPlan plan = radix_plan(bit_length(sentinel));
-    if (radix_sort(keys_a, vals_a, keys_b, vals_b, ni, plan, ws + l.hist, ws + l.sums, st)) {
-      keys = keys_b;
-      idx = vals_b;
-    }
     int* first = ws + l.first;
     first_flags_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(keys, idx, ni, sentinel, first);
     check_launch("voxel first_flags_kernel");
@@ -500,5 +512,6 @@ void hard_forward(TensorView points, TensorView workspace, TensorView voxels, Te
 }  // namespace muspace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_dynamic_forward, muspace::voxel::dynamic_forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_hard_keys, muspace::voxel::hard_keys);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_hard_forward, muspace::voxel::hard_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_hard_workspace_ints, muspace::voxel::hard_workspace_ints);

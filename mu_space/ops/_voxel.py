@@ -442,8 +442,20 @@ def run_hard_native(points, grid, P, V, sizes, *, padded: bool, rows: int):
     ints = int(native.function("voxel_hard_workspace_ints")(n, n_samples, rows))
     workspace = torch.empty(ints, dtype=torch.int32, device=points.device)
     (vx, vy, vz), (x0, y0, z0), (gx, gy, gz) = grid
+    st = stream_handle(points)
+    sample_offsets = native_shape(offsets)
+    keys = torch.empty(n, dtype=torch.int32, device=points.device)
+    native.function("voxel_hard_keys")(
+        points, keys, vx, vy, vz, x0, y0, z0, gx, gy, gz, sample_offsets, st
+    )
+    # the platform's stable sort on the same stream (CUB's radix sort under CUDA, torch_musa's
+    # under MUSA; no host sync, CUDA-graph capturable): our own 3-pass radix sort took ~85 of
+    # the 141 us of device time at 300k points on the H200 (2026-12-01)
+    sorted_keys, perm = torch.sort(keys, stable=True)
     native.function("voxel_hard_forward")(
         points,
+        sorted_keys,
+        perm,
         workspace,
         voxels,
         coors,
@@ -460,9 +472,9 @@ def run_hard_native(points, grid, P, V, sizes, *, padded: bool, rows: int):
         gz,
         P,
         V,
-        native_shape(offsets),
+        sample_offsets,
         padded,
-        stream_handle(points),
+        st,
     )
     return voxels, coors, num, counts
 

@@ -18,7 +18,7 @@ import torch
 
 from mu_space.ops import _opdef, _voxel
 
-ENTRY_POINTS = ("voxel_hard_forward", "voxel_hard_workspace_ints")
+ENTRY_POINTS = ("voxel_hard_keys", "voxel_hard_forward", "voxel_hard_workspace_ints")
 
 
 def _check(points, voxel_size, coors_range, max_points, max_voxels, deterministic):

@@ -1,7 +1,6 @@
-"""A numpy model of the native hard-voxelization pipeline (csrc/voxel/voxelize_musa.mu and
-voxel_sort.muh), kernel by kernel, with the tile size and digit width as parameters, so the
-tests can take every path (many tiles, many passes, one-bit digits) on small inputs and compare
-with the reference. It mirrors the kernels' index arithmetic, not their parallel schedule: each
+"""A numpy model of the native hard-voxelization pipeline (csrc/voxel/voxelize_musa.mu, the
+Python layer's stable sort between its two entry points), kernel by kernel, so the tests can
+compare each kernel's rule with the reference on small inputs. It mirrors the kernels' index arithmetic, not their parallel schedule: each
 kernel's per-item rule is applied to every item, which is what the kernels compute because no
 item depends on another item of the same kernel.
 """
@@ -16,40 +15,6 @@ def exclusive_scan(a: np.ndarray) -> tuple[np.ndarray, int]:
     """scan_tile_sums + scan_apply: out[i] = sum a[:i] (tiling does not change the values)."""
     c = np.cumsum(a, dtype=np.int64)
     return (c - a).astype(np.int64), int(c[-1]) if a.size else 0
-
-
-def radix_plan(total_bits: int, max_digit_bits: int):
-    total_bits = max(total_bits, 1)
-    passes = (total_bits + max_digit_bits - 1) // max_digit_bits
-    bits = (total_bits + passes - 1) // passes
-    return passes, bits, total_bits
-
-
-def bitonic_pair_index(q, log_stride: int):
-    """bitonic_sort_tile's lower index of pair q in a stage of stride 2**log_stride."""
-    return ((q >> log_stride) << (log_stride + 1)) | (q & ((1 << log_stride) - 1))
-
-
-def bitonic_sort_tile(c: np.ndarray) -> np.ndarray:
-    """voxel_sort.muh's bitonic_sort_tile: the network with the pair index of each stage by
-    shifts and masks, i = ((q >> log_stride) << (log_stride + 1)) | (q & (stride - 1)); the
-    pairs of a stage are disjoint, so applying a stage to all pairs at once is exact."""
-    c = np.array(c, dtype=np.int64)
-    tile = c.size
-    log_tile = tile.bit_length() - 1
-    assert 1 << log_tile == tile, "tiles are a power of two"
-    q = np.arange(tile // 2)
-    for log_size in range(1, log_tile + 1):
-        size = 1 << log_size
-        for log_stride in range(log_size - 1, -1, -1):
-            stride = 1 << log_stride
-            i = bitonic_pair_index(q, log_stride)
-            j = i + stride
-            ascending = (i & size) == 0
-            a, b = c[i], c[j]
-            swap = (a > b) == ascending
-            c[i], c[j] = np.where(swap, b, a), np.where(swap, a, b)
-    return c
 
 
 def rowcol_walk(total: int, cols: int, threads: int) -> np.ndarray:
@@ -81,51 +46,6 @@ def rowcol_thread(t: int, threads: int, cols: int):
         assert -(2**31) <= col < 2**31
 
 
-def radix_pass(keys, vals, shift, bits, tile):
-    n = keys.size
-    n_tiles = (n + tile - 1) // tile
-    buckets = 1 << bits
-    digit = (keys >> shift) & (buckets - 1)
-    # radix_hist_kernel: hist[d * n_tiles + t]
-    hist = np.zeros(buckets * n_tiles, dtype=np.int64)
-    for t in range(n_tiles):
-        counts = np.bincount(digit[t * tile : (t + 1) * tile], minlength=buckets)
-        hist[np.arange(buckets) * n_tiles + t] = counts
-    offsets, _ = exclusive_scan(hist)
-    out_k = np.full(n, -1, dtype=np.int64)
-    out_v = np.full(n, -1, dtype=np.int64)
-    for t in range(n_tiles):
-        lo, hi = t * tile, min((t + 1) * tile, n)
-        d = digit[lo:hi]
-        j = np.arange(hi - lo)
-        comp = (d << 20) | j  # the kernel packs (digit << kTileBits) | j; sorting is the same
-        # kNoItem pads the tile (to a power of two here; the kernel's kTile is one)
-        pad = np.full((1 << (tile - 1).bit_length()) - (hi - lo), np.iinfo(np.int64).max)
-        srt = bitonic_sort_tile(np.concatenate([comp, pad]))[: hi - lo]
-        p_of = np.empty(hi - lo, dtype=np.int64)
-        p_of[srt & ((1 << 20) - 1)] = np.arange(hi - lo)  # sorted position of item j
-        counts = np.bincount(d, minlength=buckets)
-        start = np.cumsum(counts) - counts  # s_start: exclusive per digit
-        rank = p_of - start[d]
-        dst = offsets[d * n_tiles + t] + rank
-        assert ((dst >= 0) & (dst < n)).all()
-        out_k[dst] = keys[lo:hi]
-        out_v[dst] = vals[lo:hi]
-    assert (out_v >= 0).all(), "a destination was not written"
-    return out_k, out_v
-
-
-def radix_sort(keys: np.ndarray, total_bits: int, *, tile: int = 1024, digit_bits: int = 11):
-    """(sorted keys, the original index of each) after radix_sort's passes."""
-    keys = np.asarray(keys, dtype=np.int64)
-    vals = np.arange(keys.size, dtype=np.int64)
-    passes, bits, total = radix_plan(total_bits, digit_bits)
-    for p in range(passes):
-        shift = p * bits
-        keys, vals = radix_pass(keys, vals, shift, min(bits, total - shift), tile)
-    return keys, vals
-
-
 def _axis_cell(v: np.ndarray, lo: float, size: float, cells: int):
     """axis_cell: floorf((v - lo) / size) in float32, valid in [0, cells)."""
     with np.errstate(invalid="ignore", over="ignore"):
@@ -135,7 +55,7 @@ def _axis_cell(v: np.ndarray, lo: float, size: float, cells: int):
     return c, ok & (c < cells)
 
 
-def hard_voxelize(points, grid, P, V, sizes, *, tile=1024, digit_bits=11, padded_rows=None):
+def hard_voxelize(points, grid, P, V, sizes, *, padded_rows=None):
     """(voxels, coors, num, count) as voxel_hard_forward writes them; `padded_rows` set: the
     padded mode with that many rows (one sample)."""
     pts = points.detach().cpu().float().numpy()
@@ -154,7 +74,8 @@ def hard_voxelize(points, grid, P, V, sizes, *, tile=1024, digit_bits=11, padded
     cz, okz = _axis_cell(pts[:, 2], grid.lower[2], grid.size[2], gz)
     sample = np.searchsorted(off[1:], np.arange(n), side="right")  # sample_of
     keys = np.where(okx & oky & okz, sample * cells + (cz * gy + cy) * gx + cx, sentinel)
-    skeys, idx = radix_sort(keys, int(sentinel).bit_length(), tile=tile, digit_bits=digit_bits)
+    idx = np.argsort(keys, kind="stable")  # torch.sort(keys, stable=True) between the calls
+    skeys = keys[idx]
     # first_flags_kernel + scan
     start = (skeys != sentinel) & np.concatenate([[True], skeys[1:] != skeys[:-1]])
     first = np.zeros(n, dtype=np.int64)

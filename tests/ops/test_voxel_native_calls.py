@@ -19,6 +19,7 @@ from mu_space.testing import lidar
 from tests.native_calls import ReachedRuntime, load_library, relabelling
 
 ENTRY_POINTS = (
+    "voxel_hard_keys",
     "voxel_hard_forward",
     "voxel_dynamic_forward",
     "voxel_group_keys",
@@ -38,8 +39,10 @@ def library():
 @pytest.fixture
 def calls(library, monkeypatch):
     """The entry points the Python layer called, each stopped at the runtime."""
-    # voxel_group's keys call returns so that its second entry point is checked too
-    reached = relabelling(library, monkeypatch, continue_after=("voxel_group_keys",))
+    # the keys calls return so that the second entry point after the sort is checked too
+    reached = relabelling(
+        library, monkeypatch, continue_after=("voxel_group_keys", "voxel_hard_keys")
+    )
     for mod in ("_voxel", "dynamic_scatter", "pillar_scatter"):
         monkeypatch.setattr(sys.modules[f"mu_space.ops.{mod}"], "stream_handle", lambda t: 0)
     return reached
@@ -81,7 +84,7 @@ def test_voxelization_entry_points_accept_the_python_arguments(calls, dtype):
     ):
         with pytest.raises(ReachedRuntime):
             _native(op, *args, **kwargs)
-    assert calls == ["voxel_hard_forward"] * 3 + ["voxel_dynamic_forward"] * 2
+    assert calls == ["voxel_hard_keys", "voxel_hard_forward"] * 3 + ["voxel_dynamic_forward"] * 2
 
 
 @pytest.mark.parametrize("reduce", ["max", "mean"])
