@@ -51,7 +51,11 @@ case "${1:-}" in check | sanitize | bench | all) ;; *) sed -n '2,40p' "$0"; exit
 FINAL=${OUT:-$PWD/gpu-out/lidar}
 OUT=$(mktemp -d /tmp/lidar-XXXXXX)
 mkdir -p "$FINAL"
-trap 'tar -czf "$FINAL/lidar_$1.tar.gz" -C "$OUT" . && echo "logs packed: $FINAL/lidar_$1.tar.gz"' EXIT
+STAGE=$1
+# STAGE, not $1: a trap that fires inside a function (a stage cut off by `timeout`) sees the
+# function's positional parameters, and with set -u an unset $1 lost the whole tarball
+# (H200, 2026-12-01)
+trap 'tar -czf "$FINAL/lidar_$STAGE.tar.gz" -C "$OUT" . && echo "logs packed: $FINAL/lidar_$STAGE.tar.gz"' EXIT
 export PYTHONUNBUFFERED=1 MUSPACE_TRY_UNVERIFIED=${MUSPACE_TRY_UNVERIFIED-1} OMP_NUM_THREADS=1
 export CUDA_ARCH=${CUDA_ARCH:-90a}
 TEST_TIMEOUT=${TEST_TIMEOUT:-120}
