@@ -31,7 +31,7 @@ from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 
 # Every box op's OpDef.unverified, in one place: set to "" once the kernels have passed the GPU
 # suite, the sanitizers and the benchmarks (MUSPACE_TRY_UNVERIFIED=1 lets `auto` run them before).
-UNVERIFIED = "issue 12: the kernels of 220294a passed the GPU suite on an H200 (2026-12-01); the faster ones since are compiled, not yet run on a GPU"
+UNVERIFIED = "issue 12: the kernels of 33d2aee passed the GPU suite and memcheck on an H200 (2026-12-01); racecheck did not finish the 196608-box NMS case and the large RoIAware / RoIPoint cases"
 
 NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_DTYPES = (*NATIVE_DTYPES, torch.float64)

@@ -729,7 +729,7 @@ PREPARE_PADDED = _opdef.define(
         models="BEVDet, BEVDepth, FlashOCC: CUDA-graph captured view transform",
         recipes=(),
         doc="docs/operators/bev_pool_prepare.md",
-        unverified="issue 13: the padded path has not run on a GPU yet",
+        unverified="issue 13: its GPU tests passed on an H200 (2026-12-01); compute-sanitizer not run yet",
     )
 )
 
