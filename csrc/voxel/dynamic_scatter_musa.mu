@@ -341,8 +341,7 @@ int64_t check_group_coors(const TensorView& coors) {
   return n;
 }
 
-GroupLayout check_group_workspace(const TensorView& workspace, const TensorView& coors,
-                                  int64_t n) {
+GroupLayout check_group_workspace(const TensorView& workspace, const TensorView& coors, int64_t n) {
   const GroupLayout l = group_layout(n);
   check_input(workspace, "workspace", coors, kInt32);
   check_ndim(workspace, "workspace", 1);
@@ -375,8 +374,8 @@ void group_keys(TensorView coors, TensorView workspace, TensorView keys, int64_t
     colmax_kernel<I>
         <<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const I>(coors), ni, nd, head);
     check_launch("voxel_group colmax_kernel");
-    group_keys_kernel<I><<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const I>(coors), ni,
-                                                                      nd, head, out);
+    group_keys_kernel<I>
+        <<<blocks_for(n, device_id), kBlock, 0, st>>>(data_of<const I>(coors), ni, nd, head, out);
     check_launch("voxel_group keys_kernel");
   });
 }

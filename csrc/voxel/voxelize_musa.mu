@@ -375,9 +375,8 @@ int64_t checked_cells(int64_t gx, int64_t gy, int64_t gz, const Samples& s) {
 
 // keys [N] int32 <- each point's key (the sentinel samples * cells for a dropped point), for
 // the caller's stable sort before voxel_hard_forward.
-void hard_keys(TensorView points, TensorView keys, float vx, float vy, float vz, float x0,
-               float y0, float z0, int64_t gx, int64_t gy, int64_t gz, Shape sample_offsets,
-               int64_t stream) {
+void hard_keys(TensorView points, TensorView keys, float vx, float vy, float vz, float x0, float y0,
+               float z0, int64_t gx, int64_t gy, int64_t gz, Shape sample_offsets, int64_t stream) {
   const int64_t n = check_points_tensor(points);
   const Grid g = make_grid(vx, vy, vz, x0, y0, z0, gx, gy, gz);
   const Samples s = make_samples(sample_offsets, n);
