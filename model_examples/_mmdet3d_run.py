@@ -447,6 +447,13 @@ def _environment(device) -> dict:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         env["commit"] = os.environ.get("MUSPACE_COMMIT", "unknown")
+    # the kernels that ran, whatever git says: a copied checkout's git metadata can be older
+    # than its files (the H200 run of 2026-12-01 printed the session's first commit)
+    try:
+        info = json.loads((native.library_path().parent / "build_info.json").read_text())
+        env["native_sources_sha256"] = str(info.get("sources_sha256", ""))[:12]
+    except (OSError, ValueError):
+        env["native_sources_sha256"] = None
     return env
 
 
@@ -472,7 +479,8 @@ def markdown(r: dict) -> str:
         f"### {title}: mmdet3d {env['mmdet3d']} `{Path(r['config']).stem}`",
         "",
         f"{env['device']}, torch {env['torch']}, muSPACE {env['mu_space']} (commit "
-        f"{env['commit']}), mmcv-lite {env['mmcv-lite']}, mmdet {env['mmdet']}; batch "
+        f"{env['commit']}, native sources {env.get('native_sources_sha256')}), mmcv-lite "
+        f"{env['mmcv-lite']}, mmdet {env['mmdet']}; batch "
         f"{r['frames']} x `{r['cloud']}` (~{r['points_per_frame']} points per frame, "
         f"{r['voxels']} voxels in the batch); {env['date']}."
         + (
