@@ -507,3 +507,19 @@ def test_benchmark_smoke_run(tmp_path, capsys):
     ]
     assert bench_voxelization.main(args) == 0, capsys.readouterr().out
     assert (tmp_path / "voxelization.smoke.json").is_file()
+
+
+def test_voxel_grid_parse_cache_is_the_full_parse():
+    """voxel_grid caches the parse of plain Python numbers (the same numbers every call of a
+    model): the cached grid equals the uncached parse of the same values as tensors; bools,
+    bad values and tensors still go through the full checks on every call."""
+    vs, pcr, _, _ = lidar.layer_args("centerpoint-0075-nus")
+    assert _voxel._plain_key(vs, pcr) is not None
+    assert _voxel.voxel_grid(vs, pcr) == _voxel.voxel_grid(torch.tensor(vs), torch.tensor(pcr))
+    assert _voxel._plain_key(torch.tensor(vs), pcr) is None
+    assert _voxel._plain_key([0.1, True, 0.2], pcr) is None
+    for _ in range(2):  # an error is raised every time, never cached as a result
+        with pytest.raises(ValueError, match="voxel_size must be 3 positive"):
+            _voxel.voxel_grid([0.1, 0.0, 0.2], pcr)
+        with pytest.raises(TypeError, match="voxel_size must be 3 numbers"):
+            _voxel.voxel_grid([0.1, True, 0.2], pcr)
