@@ -323,42 +323,32 @@ def cases_for(
         ),
     ]
     if autograd_backward is not None:
-        cases.append(
-            Case(
-                name=f"{name}-backward-autograd-{dt}",
+
+        def autograd_case(suffix: str, mode: str, **extra) -> Case:
+            return Case(
+                name=f"{name}-backward-{suffix}-{dt}",
                 op="bev_pool_v2",
                 direction="backward",
                 dtype=dtype,
-                params={
-                    **params,
-                    "mode": "loss.backward(): out.backward(grad_out) into fresh .grad",
-                },
+                params={**params, "mode": mode},
                 compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
                 fn=backward_into_grad,
                 make_args=backward_args(args, grad, be),
                 reference=reference_backward,
                 time_reference=False,
                 skip=autograd_backward,
+                **extra,
             )
+
+        cases.append(
+            autograd_case("autograd", "loss.backward(): out.backward(grad_out) into fresh .grad")
         )
         if dtype == torch.float32:
             cases.append(
-                Case(
-                    name=f"{name}-backward-autograd-idle-{dt}",
-                    op="bev_pool_v2",
-                    direction="backward",
-                    dtype=dtype,
-                    params={
-                        **params,
-                        "mode": "loss.backward() into fresh .grad, device idle at the call",
-                    },
-                    compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
-                    fn=backward_into_grad,
-                    make_args=backward_args(args, grad, be),
-                    reference=reference_backward,
-                    time_reference=False,
+                autograd_case(
+                    "autograd-idle",
+                    "loss.backward() into fresh .grad, device idle at the call",
                     timer=_idle_device_timer,
-                    skip=autograd_backward,
                 )
             )
     if deterministic_backward:

@@ -184,10 +184,9 @@ def voxel_grid(voxel_size, coors_range, names=("voxel_size", "coors_range")) -> 
 def _plain_key(voxel_size, coors_range):
     """(voxel_size, coors_range) as tuples of Python floats / ints (bools excluded), or None for
     anything else (tensors, numpy values: parsed every time, with the full checks)."""
-    try:
-        a, b = tuple(voxel_size), tuple(coors_range)
-    except TypeError:
-        return None
+    if not (isinstance(voxel_size, (list, tuple)) and isinstance(coors_range, (list, tuple))):
+        return None  # a tensor is not iterated here (each element a view)
+    a, b = tuple(voxel_size), tuple(coors_range)
     plain = all(type(v) in (float, int) for v in a + b)  # not bool: a TypeError when parsed
     return (a, b) if plain else None
 

@@ -1,8 +1,8 @@
 """`voxelization`: mmcv's hard voxelization (`mmcv.ops.voxelization`), deterministic. Formula,
 shapes and upstream rules: the public function's docstring and docs/operators/voxelization.md.
 
-Native path (csrc/voxel/voxelize_musa.mu, one pass of kernels on the caller's stream):
-per point its cell key (or a sentinel), a stable LSD radix sort of (key, point) pairs, the runs of
+Native path (csrc/voxel/voxelize_musa.mu and torch.sort, on the caller's stream): per point its
+cell key (or a sentinel), the platform's stable sort of the keys (run_hard_native), the runs of
 equal keys (= voxels, points in input order inside each), a scan over the voxels' first points
 (= voxel ids in first-occurrence order), per-sample counts, and one kernel writing the outputs
 (points, zero padding, coordinates, counts). The outputs are allocated with an upper bound of
