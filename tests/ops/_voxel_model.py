@@ -136,13 +136,18 @@ def pillar_canvas(
     *,
     threads: int,
     base_elems: int = 0,
+    grid_y: int = 65535,
+    grid_z: int = 65535,
+    chunk: int = 8,
 ):
     """pillar_scatter_musa.mu's forward: fill_map (-1, then the highest pillar of a cell), the
-    launcher's choice K = 2 (plane even and the canvas base aligned to 2 elements; the base is
-    `base_elems` elements past an aligned address) or 1, and canvas_kernel<W, K> over a
-    grid-stride loop of `threads` threads with RowCol over (b, yx / K). feats_bits [M, C] are
-    the raw element words (uint16 / uint32). Returns (canvas words [B, C, ny, nx], how many
-    stores wrote each element, K); asserts every pair store is aligned."""
+    launcher's choice K = 16 bytes / element (plane % K == 0 and the canvas base 16-byte
+    aligned; the base is `base_elems` elements past a 16-byte aligned address) or 1, then
+    canvas_vector_kernel (blockIdx.z over samples, blockIdx.y over chunks of `chunk` channels,
+    a grid-stride loop of `threads` threads over the K-cell groups of a plane) or canvas_kernel
+    (a grid-stride loop with RowCol over (b, yx)). feats_bits [M, C] are the raw element words
+    (uint16 / uint32). Returns (canvas words [B, C, ny, nx], how many stores wrote each element,
+    K); asserts every vector store is aligned and inside one plane."""
     m, C = feats_bits.shape
     plane = ny * nx
     cell_map = np.full(B * plane, -1, dtype=np.int64)
@@ -150,26 +155,42 @@ def pillar_canvas(
         if 0 <= b < B and 0 <= y < ny and 0 <= x < nx:
             cell = (b * ny + y) * nx + x
             cell_map[cell] = max(cell_map[cell], i)
-    K = 2 if plane % 2 == 0 and base_elems % 2 == 0 else 1
+    vector_k = 16 // feats_bits.dtype.itemsize
+    K = vector_k if plane % vector_k == 0 and base_elems % vector_k == 0 else 1
     canvas = np.zeros(B * C * plane, dtype=feats_bits.dtype)
     writes = np.zeros(B * C * plane, dtype=np.int64)
-    groups = B * (plane // K)
     zero = feats_bits.dtype.type(0)
-    for t in range(min(threads, groups)):
-        walk = rowcol_thread(t, threads, plane // K)
-        for g, (row, col) in zip(range(t, groups, threads), walk):
-            cell = g * K
-            yx = col * K
-            dst = row * C * plane + yx
-            ps = [cell_map[cell + k] for k in range(K)]
-            has = [0 <= p < m for p in ps]
-            for c in range(C):
-                off = dst + c * plane
-                vals = [feats_bits[p, c] if h else zero for p, h in zip(ps, has)]
-                if K == 2:
-                    assert (base_elems + off) % 2 == 0, "misaligned pair store"
-                    assert off // plane == (off + 1) // plane, "a pair across two planes"
-                for k, v in enumerate(vals):  # lower address: the low half / .x
-                    canvas[off + k] = v
-                    writes[off + k] += 1
+
+    def pillar(cell):
+        p = cell_map[cell]
+        return p if 0 <= p < m else -1
+
+    if K == 1:
+        cells = B * plane
+        for t in range(min(threads, cells)):
+            walk = rowcol_thread(t, threads, plane)
+            for cell, (row, col) in zip(range(t, cells, threads), walk):
+                p = pillar(cell)
+                for c in range(C):
+                    off = row * C * plane + c * plane + col
+                    canvas[off] = feats_bits[p, c] if p >= 0 else zero
+                    writes[off] += 1
+        return canvas.reshape(B, C, ny, nx), writes.reshape(B, C, ny, nx), K
+    groups = plane // K
+    chunks = (C + chunk - 1) // chunk
+    for bz in range(min(grid_z, B)):
+        for b in range(bz, B, grid_z):
+            for by in range(min(grid_y, chunks)):
+                for ch in range(by, chunks, grid_y):
+                    c0, c1 = ch * chunk, min(C, ch * chunk + chunk)
+                    for t in range(min(threads, groups)):
+                        for q in range(t, groups, threads):
+                            ps = [pillar(b * plane + q * K + k) for k in range(K)]
+                            for c in range(c0, c1):
+                                off = (b * C + c) * plane + q * K
+                                assert (base_elems + off) % K == 0, "misaligned vector store"
+                                assert off // plane == (off + K - 1) // plane, "across planes"
+                                for k, p in enumerate(ps):  # lower address: the low bits
+                                    canvas[off + k] = feats_bits[p, c] if p >= 0 else zero
+                                    writes[off + k] += 1
     return canvas.reshape(B, C, ny, nx), writes.reshape(B, C, ny, nx), K

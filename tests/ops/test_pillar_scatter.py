@@ -140,19 +140,22 @@ def test_native_matches_reference(config, B, channels, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ny, nx", [(49, 51), (50, 49), (50, 50)])
-@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("ny, nx", [(49, 51), (50, 49), (50, 50), (48, 50)])
+@pytest.mark.parametrize("offset", [0, 1, 8])
+@pytest.mark.parametrize("channels", [5, 19])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_native_canvas_pairs_and_fallback(ny, nx, offset, dtype):
-    """canvas_kernel's paths on the entry point: an odd plane (49 x 51) and a canvas one element
-    past an aligned address (offset 1) take one cell per thread; 50 x 49 (odd nx, even plane:
-    pairs across x rows) and 50 x 50 two cells per thread. Rows beyond 49 x 49 fall outside.
-    The canvas starts poisoned (NaN): every element must be written."""
+def test_native_canvas_vectors_and_fallback(ny, nx, offset, channels, dtype):
+    """canvas_kernel's paths on the entry point: 16-byte vectors of K = 16 / element-size cells
+    when the plane is a multiple of K and the canvas 16-byte aligned (float32: 50 x 50 and
+    48 x 50 at offsets 0 and 8; 16-bit: 48 x 50 at offsets 0 and 8), else one cell per thread
+    (odd planes, a plane of 2 mod 4, offset 1). 19 channels: two full 8-channel chunks and a
+    partial one. Pillars beyond a smaller canvas fall outside. The canvas starts poisoned
+    (NaN): every element must be written, nothing before it."""
     from mu_space.runtime import native
     from mu_space.runtime.device import stream_handle
 
     device = native_gpu_device()
-    feats, coors, B, _ = _pillars("tiny-pillars", 2, 5, dtype)
+    feats, coors, B, _ = _pillars("tiny-pillars", 2, channels, dtype)
     want = mu_space.pillar_scatter(feats, coors, B, (ny, nx), backend="reference")
     f, c = feats.to(device), coors.to(device)
     C = feats.shape[1]
@@ -169,7 +172,8 @@ def test_native_canvas_pairs_and_fallback(ny, nx, offset, dtype):
 def test_native_canvas_beyond_int32_elements(ny, nx, C):
     """Planes of ~INT32_MAX cells (the cell map's limit) and B * C * ny * nx > 2**32 canvas
     elements: the 64-bit store offsets (b * C * plane + c * plane + yx) of one cell per thread
-    (odd plane) and of the pairs (even plane). float16 canvas poisoned with NaN (13 / 8.6 GB)
+    (odd plane) and of the 16-byte vectors (46340^2, a multiple of 8 cells). float16 canvas
+    poisoned with NaN (13 / 8.6 GB)
     plus an 8.6 GB cell map; pillars at both ends of the plane and in between."""
     from mu_space.runtime import native
     from mu_space.runtime.device import stream_handle
@@ -214,22 +218,26 @@ def test_benchmark_smoke_run(tmp_path, capsys):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(
-    "ny, nx, base, want_k",
+    "ny, nx, base, C",
     [
-        (4, 5, 0, 2),  # odd nx, even plane: pairs run across x rows, inside one plane
-        (6, 8, 0, 2),
-        (3, 5, 0, 1),  # odd plane: a pair would straddle two planes
-        (6, 8, 1, 1),  # canvas base not aligned to two elements
+        (4, 5, 0, 3),  # plane 20: 4-cell vectors (float32; across x rows), float16 one cell
+        (6, 8, 0, 11),  # plane 48: vectors for both; 11 channels = a full and a partial chunk
+        (3, 5, 0, 3),  # odd plane: a vector would straddle two planes
+        (6, 8, 1, 3),  # canvas base not 16-byte aligned
+        (6, 8, 4, 11),  # base 16 bytes past aligned in float32, 8 bytes in float16
     ],
 )
-def test_kernel_model_canvas_pairs_equal_the_oracle(dtype, ny, nx, base, want_k):
-    """canvas_kernel's two-cells-per-thread path (and its fallback) on B * C planes with
-    duplicate cells (last wins) and rows outside: the oracle's canvas, every element stored
-    exactly once, every pair store aligned, for grid strides below and above the pair count."""
+def test_kernel_model_canvas_vectors_equal_the_oracle(dtype, ny, nx, base, C):
+    """canvas_vector_kernel (16-byte stores of K cells, channel chunks) and its one-cell
+    fallback on B * C planes with duplicate cells (last wins) and rows outside: the oracle's
+    canvas, every element stored exactly once, every vector store aligned and inside one plane,
+    for grid strides below and above the group / chunk / sample counts."""
     from tests.ops import _voxel_model as model
 
+    k_vec = 16 // torch.empty((), dtype=dtype).element_size()
+    want_k = k_vec if (ny * nx) % k_vec == 0 and base % k_vec == 0 else 1
     g = torch.Generator().manual_seed(11)
-    B, C, m = 2, 3, 40
+    B, m = 2, 40
     coors = torch.stack(
         [
             torch.randint(0, B + 1, (m,), generator=g),  # b == B: outside
@@ -244,10 +252,11 @@ def test_kernel_model_canvas_pairs_equal_the_oracle(dtype, ny, nx, base, want_k)
     want, _ = oracle.pillars(feats, coors, B, ny, nx)
     bits = feats.view(torch.int16 if dtype == torch.float16 else torch.int32).numpy()
     bits = bits.view(np.uint16 if dtype == torch.float16 else np.uint32)
-    for threads in (1, 7, 64, 10**4):
+    for threads, grid_y, grid_z in ((1, 1, 1), (7, 2, 1), (64, 1, 2), (10**4, 65535, 65535)):
         got, writes, k = model.pillar_canvas(
-            bits, coors.numpy(), B, ny, nx, threads=threads, base_elems=base
-        )
+            bits, coors.numpy(), B, ny, nx, threads=threads, base_elems=base, grid_y=grid_y,
+            grid_z=grid_z,
+        )  # fmt: skip
         assert k == want_k
         assert (writes == 1).all(), f"threads={threads}: stores per element {np.unique(writes)}"
         signed = np.int16 if dtype == torch.float16 else np.int32
