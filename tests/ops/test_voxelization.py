@@ -509,6 +509,40 @@ def test_benchmark_smoke_run(tmp_path, capsys):
     assert (tmp_path / "voxelization.smoke.json").is_file()
 
 
+def test_nondeterministic_peer_check_is_order_free_but_not_blind():
+    """benchmarks/_voxel_peer.same_voxel_sets, the check of mmcv's non-deterministic output:
+    voxels and the points inside them in another order pass, and so do other kept points of a
+    voxel with more than max_points points (mmcv keeps an arbitrary max_points of them); a
+    changed point of a voxel that is not full, or a wrong count, fails."""
+    from benchmarks import _voxel_peer
+
+    vs, pcr, P, _ = lidar.layer_args("tiny-voxels")
+    pts = lidar.make("tiny-3sweeps")
+    V = 10**6  # no voxel cut by max_voxels: the check compares the contents
+    ref = mu_space.voxelization(pts, vs, pcr, P, V, backend="reference")
+    voxels, coors, num = (t.clone() for t in ref)
+    check = _voxel_peer.same_voxel_sets(V)
+    g = torch.Generator().manual_seed(3)
+    perm = torch.randperm(coors.shape[0], generator=g)
+    shuffled = [voxels[perm], coors[perm], num[perm]]
+    for r in range(shuffled[0].shape[0]):  # the points inside each voxel reversed
+        k = int(shuffled[2][r])
+        shuffled[0][r, :k] = shuffled[0][r, :k].flip(0)
+    full = torch.nonzero(shuffled[2] == P).flatten()
+    assert full.numel() and (shuffled[2] < P).any(), "the frame must have full and partial voxels"
+    shuffled[0][full[0], 0] += 1.0  # another point kept in a full voxel
+    check(shuffled, ref)
+    partial = int(torch.nonzero(shuffled[2] < P)[0])
+    wrong = [t.clone() for t in shuffled]
+    wrong[0][partial, 0] += 1.0
+    with pytest.raises(AssertionError, match="contents"):
+        check(wrong, ref)
+    wrong = [t.clone() for t in shuffled]
+    wrong[2][partial] += 1
+    with pytest.raises(AssertionError, match="counts"):
+        check(wrong, ref)
+
+
 def test_voxel_grid_parse_cache_is_the_full_parse():
     """voxel_grid caches the parse of plain Python numbers (the same numbers every call of a
     model): the cached grid equals the uncached parse of the same values as tensors; bools,
