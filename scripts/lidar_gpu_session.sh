@@ -147,6 +147,9 @@ group_files() {  # group_files GROUP: the test files of a sanitizer group
     pairs) echo "${t}boxes_overlap_bev.py ${t}circle_nms.py" ;;
     pooling) echo "${t}points_in_boxes.py ${t}roiaware_pool3d.py ${t}roipoint_pool3d.py" ;;
     sparse) echo "${t}sparse_native.py" ;;
+    pillar) echo "${t}pillar_scatter.py" ;;
+    # the BEV family's kernels (issue 13), outside the LiDAR suite but on the same sanitizer run
+    bev) echo "${t}bev_pool_v2.py ${t}bev_pool.py" ;;
     *) echo "unknown sanitizer group $1" >&2; return 1 ;;
   esac
 }
