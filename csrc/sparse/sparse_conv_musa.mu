@@ -185,24 +185,24 @@ __global__ void __launch_bounds__(kBlock)
 }
 
 // A thread per (row r, offset k, VEC channels): cols[r, k C + c .. + VEC] from src row
-// map[r, k]. OutT is T (raw copy) or float (converted).
-template <typename T, typename OutT, int VEC>
-__global__ void __launch_bounds__(kBlock)
-    im2col_kernel(const T* __restrict__ src, int64_t n_src, int channels,
-                  const int* __restrict__ map, int k_volume, int64_t rows,
-                  OutT* __restrict__ cols) {
-  const int chunks = channels / VEC;
-  const int64_t per_row = static_cast<int64_t>(k_volume) * chunks;
-  const int64_t total = rows * per_row;
-  for (int64_t e = global_thread(); e < total; e += global_threads()) {
-    const int64_t r = e / per_row;
-    const int64_t rest = e - r * per_row;
-    const int64_t k = rest / chunks;
+// map[r, k]. OutT is T (raw copy) or float (converted). I: the flat index type, uint32_t when
+// the work fits (the two divisions per item are then 32-bit, not the emulated 64-bit ones).
+template <typename I, typename T, typename OutT, int VEC>
+__device__ __forceinline__ void im2col_items(const T* __restrict__ src, int64_t n_src, int channels,
+                                             const int* __restrict__ map, int k_volume, I total,
+                                             OutT* __restrict__ cols) {
+  const I chunks = static_cast<I>(channels / VEC);
+  const I per_row = static_cast<I>(k_volume) * chunks;
+  for (I e = static_cast<I>(global_thread()); e < total; e += static_cast<I>(global_threads())) {
+    const I r = e / per_row;
+    const I rest = e - r * per_row;
+    const I k = rest / chunks;
     const int c = static_cast<int>(rest - k * chunks) * VEC;
-    const int64_t row = map[r * k_volume + k];
+    const int64_t slot = static_cast<int64_t>(r) * k_volume + k;
+    const int64_t row = map[slot];
     Vec<T, VEC> v;
     v.load_if(row >= 0 && row < n_src, src + row * channels + c);
-    OutT* dst = cols + (r * k_volume + k) * channels + c;
+    OutT* dst = cols + slot * channels + c;
     if constexpr (std::is_same_v<T, OutT>) {
       v.store(dst);
     } else {
@@ -210,6 +210,21 @@ __global__ void __launch_bounds__(kBlock)
       v.unpack(f);
       store_floats<OutT, VEC>(dst, f);
     }
+  }
+}
+
+template <typename T, typename OutT, int VEC>
+__global__ void __launch_bounds__(kBlock)
+    im2col_kernel(const T* __restrict__ src, int64_t n_src, int channels,
+                  const int* __restrict__ map, int k_volume, int64_t rows,
+                  OutT* __restrict__ cols) {
+  const int64_t total = rows * k_volume * (channels / VEC);
+  // uint32_t: e < INT_MAX plus at most the grid's threads (capped per multiprocessor) < 2^32
+  if (total <= INT_MAX) {
+    im2col_items<uint32_t, T, OutT, VEC>(src, n_src, channels, map, k_volume,
+                                         static_cast<uint32_t>(total), cols);
+  } else {
+    im2col_items<int64_t, T, OutT, VEC>(src, n_src, channels, map, k_volume, total, cols);
   }
 }
 
