@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import weakref
 
 import torch
@@ -82,6 +83,8 @@ IM2COL_ENTRY_POINTS = ("sparse_conv_maps", "sparse_conv_im2col")
 # one chunk; a 1M-row C = 256 layer (27 GB unchunked) takes 104 chunks of ~9.7k rows, each
 # still a GEMM large enough to fill the GPU. Tests lower it to force the chunked path.
 IM2COL_CHUNK_ELEMENTS = 1 << 26
+# Profiling only: MUSPACE_SPARSE_CONV_IM2COL=0 runs every conv on the per-offset path (A/B).
+IM2COL_ENABLED = os.environ.get("MUSPACE_SPARSE_CONV_IM2COL", "1") != "0"
 
 # header of sparse_hash_insert / sparse_rulebook_unique
 _BAD, _DUP, _COUNT, _FULL = range(4)
@@ -470,7 +473,7 @@ def _conv_maps(c, features, indice_pairs, indice_pair_num):
     """The neighbour maps where the im2col path takes the call, else None (the per-offset
     path: a repeated slot, a bad rule book, or nothing to multiply)."""
     n, m, K, c_in, c_out, inverse = c.info
-    if not (n and m and c_in and c_out):
+    if not (IM2COL_ENABLED and n and m and c_in and c_out):
         return None  # zeros (or the per-offset path's error for a bad rule book)
     pairs, num = indice_pairs.contiguous(), indice_pair_num.contiguous()
     return neighbour_maps(pairs, num, n, m, inverse, stream_handle(features))

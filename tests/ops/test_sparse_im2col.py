@@ -212,3 +212,11 @@ def test_cached_maps_go_with_their_rule_book():
     assert len(cache._entries) == 1
     del pairs
     assert len(cache._entries) == 0  # no dead rule book's maps held until evicted
+
+
+def test_the_profiling_switch_runs_the_per_offset_path(emulated, monkeypatch):
+    monkeypatch.setattr(_sparse_native, "IM2COL_ENABLED", False)
+    (got, got_g), (want, want_g) = _run(sparse_conv.sample_case("cpu"))
+    assert "sparse_conv_maps" not in emulated and "sparse_conv_gather" in emulated
+    tolerances.assert_close(got, want, op="sparse_conv")
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
