@@ -22,8 +22,8 @@
 //                       after it): out_map[o, k] = the input row feeding output o through
 //                       offset k, in_map[i, k] = the output row input i feeds through k, -1
 //                       where none; flags [2] int32 = a slot claimed twice (a repeated (o, k)
-//                       or (i, k): the maps cannot hold that rule book, the caller takes the
-//                       per-offset path) | a row outside its side.
+//                       or (i, k): the maps cannot hold that rule book, the caller runs the
+//                       reference) | a row outside its side.
 //   sparse_conv_im2col  cols[r, k C + c] = src[map[r, k], c] (0 where map is -1): the GEMM
 //                       operand of map's rows, in src's dtype or float32, VEC-wide loads.
 //

@@ -31,9 +31,10 @@ weight.view(K C_in, C_out)) per chunk of output rows (IM2COL_CHUNK_ELEMENTS). Ba
 = sum over chunks of cols^T @ grad_out (cols recomputed), grad_x = grad_out[in_map] [N, K C_out]
 @ weight^T [K C_out, C_in]. No atomics anywhere (deterministic by construction); float16 /
 bfloat16 gather and multiply in 16 bits with float32 accumulation and output where torch.mm
-has out_dtype for that device (else float32 operands). A rule book the maps cannot hold (an
-(o, k) or (i, k) slot twice) takes the per-offset path below; a bad one the reference (its
-error).
+has out_dtype for that device (else float32 operands). A rule book that breaks the rule-book
+invariant (an (o, k) or (i, k) slot twice: the maps cannot hold it, and the per-offset
+scatter's plain adds would race on it) or has a bad row takes the reference on the same device
+(which sums repeated pairs; for a bad row it raises its error).
 Per-offset path: `sparse_pairs_check` (counts, starts and row checks; its header is the op's
 one host synchronisation, shared with the maps' flags), `sparse_conv_gather` (the rows of one
 side of every offset into one float32 buffer, one launch), torch.mm per offset in float32
@@ -281,7 +282,8 @@ class _CheckedPairs:
 
 
 CHECKED_PAIRS = _CheckedPairs()
-# (out_map, in_map) of a rule book, or False where the maps cannot hold it (repeated slots)
+# (out_map, in_map) of a rule book, or False where the reference must take it (a repeated slot
+# or a bad row)
 NEIGHBOUR_MAPS = _CheckedPairs()
 
 
@@ -317,8 +319,8 @@ def pairs_facts(values, K: int):
 
 def neighbour_maps(indice_pairs, indice_pair_num, n_in: int, n_out: int, inverse: bool, st):
     """The rule book's (out_map [n_out, K], in_map [n_in, K]) int32 (sparse_conv_maps), or None
-    where the im2col path cannot take it (a repeated slot, bad rows: the per-offset path, then
-    the reference's error). Cached per rule book (NEIGHBOUR_MAPS). The host synchronisation is
+    where only the reference may take it (a repeated slot, which the per-offset scatter's plain
+    adds would race on; a bad row, whose error the reference raises). Cached per rule book (NEIGHBOUR_MAPS). The host synchronisation is
     check_pairs' one, shared with the maps' flags; a rule book built by rulebook_native is valid
     by construction (no repeated slot either: the offsets' reach is injective), so none."""
     key = (indice_pairs, indice_pair_num, n_in, n_out, inverse)
@@ -470,13 +472,15 @@ def _conv_prologue(c, features, indice_pairs, indice_pair_num, op: str = "sparse
 
 
 def _conv_maps(c, features, indice_pairs, indice_pair_num):
-    """The neighbour maps where the im2col path takes the call, else None (the per-offset
-    path: a repeated slot, a bad rule book, or nothing to multiply)."""
+    """The neighbour maps where the im2col path takes the call, False where the reference
+    must (neighbour_maps), None for the per-offset path (nothing to multiply: zeros, or its
+    error for a bad rule book; or MUSPACE_SPARSE_CONV_IM2COL=0)."""
     n, m, K, c_in, c_out, inverse = c.info
     if not (IM2COL_ENABLED and n and m and c_in and c_out):
-        return None  # zeros (or the per-offset path's error for a bad rule book)
+        return None
     pairs, num = indice_pairs.contiguous(), indice_pair_num.contiguous()
-    return neighbour_maps(pairs, num, n, m, inverse, stream_handle(features))
+    maps = neighbour_maps(pairs, num, n, m, inverse, stream_handle(features))
+    return False if maps is None else maps
 
 
 @torch.no_grad()  # torch.mm(out=...) on buffers; the op's autograd is its own
@@ -489,6 +493,8 @@ def conv_native(c, features, weight, indice_pairs, indice_pair_num, num_out, inv
         return sparse_conv_reference(*args)
     n, m, K, c_in, c_out, inverse = c.info
     maps = _conv_maps(c, features, indice_pairs, indice_pair_num)
+    if maps is False:
+        return sparse_conv_reference(*args)  # sums repeated pairs / raises for bad rows
     if maps is not None:
         out = im2col_forward(features.contiguous(), weight, maps[0], stream_handle(features))
         return out if features.dtype == torch.float32 else out.to(features.dtype)
@@ -523,6 +529,8 @@ def conv_backward_native(
         return sparse_conv_backward_reference(*args)
     n, m, K, c_in, c_out, inverse = c.info
     maps = _conv_maps(c, features, indice_pairs, indice_pair_num)
+    if maps is False:
+        return sparse_conv_backward_reference(*args)
     if maps is not None:
         st = stream_handle(features)
         grad_x, grad_w = im2col_backward(grad_out, features.contiguous(), weight, maps, needs, st)

@@ -20,8 +20,9 @@ Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_conv_musa.mu): b
 the im2col path: `sparse_conv_maps` (the rule book's neighbour maps, once per rule book),
 `sparse_conv_im2col` (features[out_map] -> [rows, K C_in]) and one torch.mm per chunk of rows;
 backward cols^T @ grad_out and grad_out[in_map] @ weight^T; no atomics, deterministic. A rule
-book listing a slot twice takes the per-offset path: `sparse_pairs_check` (clamped counts and
-their starts), `sparse_conv_gather`, torch.mm per offset, `sparse_conv_scatter` (plain adds
+book listing a row twice in one offset (outside the rule-book invariant) runs the reference.
+Kept for empty sizes and A/B timing, the per-offset path: `sparse_pairs_check` (clamped counts
+and their starts), `sparse_conv_gather`, torch.mm per offset, `sparse_conv_scatter` (plain adds
 per offset, in offset order: conflict-free, deterministic). One host sync per rule book at most.
 """
 
