@@ -226,6 +226,37 @@ def test_im2col_conv_is_bit_exact_under_deterministic_algorithms(monkeypatch, dt
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["subm k3", "strided k3 s2 p1"])
+def test_im2col_conv_of_a_native_rule_book_does_not_synchronise(layer):
+    """A rule book from the native sparse_rulebook is valid by construction: its convolutions
+    (maps, forward, backward) read nothing back from the GPU."""
+    import importlib
+
+    from mu_space.ops import _sparse_native
+
+    conv_module = importlib.import_module("mu_space.ops.sparse_conv")
+    args, x, w = _im2col_case(layer, 16, 16, False, torch.float16)
+    x, w = x.detach(), w.detach()
+    c = conv_module._check(x, w, *args)
+    g = _feats(args[2], 16, torch.float16, 15)
+    _sparse_native.gemm_dtype(x)  # the one-time probe of torch.mm's out_dtype, outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
+    try:
+        out = _sparse_native.conv_native(c, x, w, *args)
+        grads = _sparse_native.conv_backward_native(
+            c, g, x, w, *args, needs=(True, True), deterministic=True
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert _took_im2col(args, len(x))
+    want = conv_module.sparse_conv_reference(x, w, *args)
+    tolerances.assert_close(out, want, op="sparse_conv")
+    want_g = conv_module.sparse_conv_backward_reference(g, x, w, *args)
+    tolerances.assert_close(grads, want_g, op="sparse_conv", name="grad")
+
+
+@pytest.mark.gpu
 def test_a_rule_book_with_a_repeated_pair_runs_the_reference():
     """A pair listed twice in one offset (outside the rule-book invariant; the reference sums
     both terms): the neighbour maps cannot hold it and the per-offset scatter would race on it,
