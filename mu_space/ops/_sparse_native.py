@@ -320,9 +320,10 @@ def pairs_facts(values, K: int):
 def neighbour_maps(indice_pairs, indice_pair_num, n_in: int, n_out: int, inverse: bool, st):
     """The rule book's (out_map [n_out, K], in_map [n_in, K]) int32 (sparse_conv_maps), or None
     where only the reference may take it (a repeated slot, which the per-offset scatter's plain
-    adds would race on; a bad row, whose error the reference raises). Cached per rule book (NEIGHBOUR_MAPS). The host synchronisation is
-    check_pairs' one, shared with the maps' flags; a rule book built by rulebook_native is valid
-    by construction (no repeated slot either: the offsets' reach is injective), so none."""
+    adds would race on; a bad row, whose error the reference raises). Cached per rule book
+    (NEIGHBOUR_MAPS). The host synchronisation is check_pairs' one, shared with the maps'
+    flags; a rule book built by rulebook_native is valid by construction (no repeated slot
+    either: an offset's reach is injective over distinct sites), so none."""
     key = (indice_pairs, indice_pair_num, n_in, n_out, inverse)
     maps = NEIGHBOUR_MAPS.get(*key)
     if maps is not None:
