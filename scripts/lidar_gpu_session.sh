@@ -81,7 +81,8 @@ OP_TESTS=(tests/ops/test_voxelization.py tests/ops/test_dynamic_scatter.py
   tests/ops/test_roipoint_pool3d.py tests/ops/test_box3d_benchmarks.py
   tests/ops/test_sparse_rulebook.py tests/ops/test_sparse_conv.py tests/ops/test_sparse_maxpool.py
   tests/ops/test_sparse_native.py tests/ops/test_sparse_native_calls.py
-  tests/ops/test_sparse_native_model.py tests/sparse tests/compat tests/test_patcher_defaults.py
+  tests/ops/test_sparse_native_model.py tests/ops/test_sparse_im2col.py tests/sparse tests/compat
+  tests/test_patcher_defaults.py
   tests/test_patcher_box3d.py tests/test_patcher_sparse.py tests/test_centerpoint_postprocess.py
   tests/test_sparse_encoder_recipe.py)
 # the contract tests of the LiDAR ops (test ids carry the op name)

@@ -18,6 +18,14 @@
 //                       read-modify-writes never conflict and every output row receives its
 //                       terms in offset order: deterministic, no atomics, the reference's
 //                       index_add order.
+//   sparse_conv_maps    the im2col path's neighbour maps from the pairs (atomic-free GEMMs
+//                       after it): out_map[o, k] = the input row feeding output o through
+//                       offset k, in_map[i, k] = the output row input i feeds through k, -1
+//                       where none; flags [2] int32 = a slot claimed twice (a repeated (o, k)
+//                       or (i, k): the maps cannot hold that rule book, the caller runs the
+//                       reference) | a row outside its side.
+//   sparse_conv_im2col  cols[r, k C + c] = src[map[r, k], c] (0 where map is -1): the GEMM
+//                       operand of map's rows, in src's dtype or float32, VEC-wide loads.
 //
 // Every data-dependent row is bounds-checked: a bad row gathers zeros / is skipped.
 
@@ -26,6 +34,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "build_facts.muh"
 #include "checks.muh"
@@ -147,6 +156,78 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// flags layout of sparse_conv_maps
+constexpr int kMapDuplicate = 0;
+constexpr int kMapBadRow = 1;
+
+// One thread per pair slot; each (o, k) / (i, k) slot is claimed by a compare-and-swap from -1,
+// so a slot's value is its one writer's (deterministic) unless a duplicate is flagged.
+__global__ void __launch_bounds__(kBlock)
+    neighbour_maps_kernel(const int* __restrict__ pairs, const int* __restrict__ pair_num,
+                          int k_volume, int64_t cap, int64_t n_in, int64_t n_out, int gather_side,
+                          int* __restrict__ out_map, int* __restrict__ in_map,
+                          int* __restrict__ flags) {
+  const int64_t total = static_cast<int64_t>(k_volume) * cap;
+  for (int64_t e = global_thread(); e < total; e += global_threads()) {
+    const int64_t k = e / cap;
+    const int64_t j = e - k * cap;
+    if (j >= pair_num[k]) continue;
+    const int g = pairs[(2 * k + gather_side) * cap + j];
+    const int s = pairs[(2 * k + 1 - gather_side) * cap + j];
+    if (g < 0 || g >= n_in || s < 0 || s >= n_out) {
+      atomicOr(flags + kMapBadRow, 1);
+      continue;
+    }
+    const int old_out = atomicCAS(out_map + static_cast<int64_t>(s) * k_volume + k, -1, g);
+    const int old_in = atomicCAS(in_map + static_cast<int64_t>(g) * k_volume + k, -1, s);
+    if (old_out != -1 || old_in != -1) atomicOr(flags + kMapDuplicate, 1);
+  }
+}
+
+// A thread per (row r, offset k, VEC channels): cols[r, k C + c .. + VEC] from src row
+// map[r, k]. OutT is T (raw copy) or float (converted). I: the flat index type, uint32_t when
+// the work fits (the two divisions per item are then 32-bit, not the emulated 64-bit ones).
+template <typename I, typename T, typename OutT, int VEC>
+__device__ __forceinline__ void im2col_items(const T* __restrict__ src, int64_t n_src, int channels,
+                                             const int* __restrict__ map, int k_volume, I total,
+                                             OutT* __restrict__ cols) {
+  const I chunks = static_cast<I>(channels / VEC);
+  const I per_row = static_cast<I>(k_volume) * chunks;
+  for (I e = static_cast<I>(global_thread()); e < total; e += static_cast<I>(global_threads())) {
+    const I r = e / per_row;
+    const I rest = e - r * per_row;
+    const I k = rest / chunks;
+    const int c = static_cast<int>(rest - k * chunks) * VEC;
+    const int64_t slot = static_cast<int64_t>(r) * k_volume + k;
+    const int64_t row = map[slot];
+    Vec<T, VEC> v;
+    v.load_if(row >= 0 && row < n_src, src + row * channels + c);
+    OutT* dst = cols + slot * channels + c;
+    if constexpr (std::is_same_v<T, OutT>) {
+      v.store(dst);
+    } else {
+      float f[VEC];
+      v.unpack(f);
+      store_floats<OutT, VEC>(dst, f);
+    }
+  }
+}
+
+template <typename T, typename OutT, int VEC>
+__global__ void __launch_bounds__(kBlock)
+    im2col_kernel(const T* __restrict__ src, int64_t n_src, int channels,
+                  const int* __restrict__ map, int k_volume, int64_t rows,
+                  OutT* __restrict__ cols) {
+  const int64_t total = rows * k_volume * (channels / VEC);
+  // uint32_t: e < INT_MAX plus at most the grid's threads (capped per multiprocessor) < 2^32
+  if (total <= INT_MAX) {
+    im2col_items<uint32_t, T, OutT, VEC>(src, n_src, channels, map, k_volume,
+                                         static_cast<uint32_t>(total), cols);
+  } else {
+    im2col_items<int64_t, T, OutT, VEC>(src, n_src, channels, map, k_volume, total, cols);
+  }
+}
+
 // ------------------------------------------------------------------------------ entry points
 
 void pairs_check_entry(TensorView indice_pairs, TensorView indice_pair_num, TensorView header,
@@ -261,6 +342,87 @@ void scatter_entry(TensorView products, TensorView indice_pairs, Shape counts, T
   });
 }
 
+// indice_pairs / indice_pair_num as for sparse_pairs_check; out_map [n_out, K], in_map [n_in, K]
+// int32 (filled with -1 here); flags [2] int32 (zeroed here).
+void maps_entry(TensorView indice_pairs, TensorView indice_pair_num, TensorView out_map,
+                TensorView in_map, TensorView flags, bool inverse, int64_t stream) {
+  const RuleBook rb = check_rulebook(indice_pairs, indice_pair_num);
+  check_input(out_map, "out_map", indice_pairs, kInt32);
+  check_ndim(out_map, "out_map", 2);
+  check_size(out_map, "out_map", 1, rb.k);
+  check_rows(out_map.size(0), "out_map");
+  check_input(in_map, "in_map", indice_pairs, kInt32);
+  check_ndim(in_map, "in_map", 2);
+  check_size(in_map, "in_map", 1, rb.k);
+  check_rows(in_map.size(0), "in_map");
+  check_vector(flags, "flags", indice_pairs, kInt32, 2);
+  const int device_id = indice_pairs.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  launch_zero(data_of(flags), 8, device_id, st, "sparse_conv_maps (flags)");
+  const uint32_t none = fill_word<int>(-1);
+  launch_fill(data_of(out_map), out_map.numel() * 4, none, device_id, st, "sparse_conv_maps");
+  launch_fill(data_of(in_map), in_map.numel() * 4, none, device_id, st, "sparse_conv_maps");
+  if (rb.k * rb.cap == 0 || out_map.numel() == 0 || in_map.numel() == 0) return;
+  neighbour_maps_kernel<<<rows_blocks(rb.k * rb.cap, device_id), kBlock, 0, st>>>(
+      data_of<const int>(indice_pairs), data_of<const int>(indice_pair_num), static_cast<int>(rb.k),
+      rb.cap, in_map.size(0), out_map.size(0), inverse ? 1 : 0, data_of<int>(out_map),
+      data_of<int>(in_map), data_of<int>(flags));
+  check_launch("sparse_conv_maps neighbour_maps_kernel");
+}
+
+// src [R, C] float32 / float16 / bfloat16; map [rows, K] int32 (a row block of a neighbour
+// map); cols [rows, K * C], src's dtype or float32.
+void im2col_entry(TensorView src, TensorView map, TensorView cols, int64_t stream) {
+  check_gpu_tensor(src, "src");
+  check_float_dtype(src, "src");
+  check_contiguous(src, "src");
+  check_ndim(src, "src", 2);
+  check_rows(src.size(0), "src");
+  check_input(map, "map", src, kInt32);
+  check_ndim(map, "map", 2);
+  const int64_t k_volume = map.size(1);
+  if (k_volume < 1 || k_volume > kMaxRuleBookVolume) {
+    TVM_FFI_THROW(ValueError) << "map.shape[1] (K) must be in [1, " << kMaxRuleBookVolume
+                              << "], got " << k_volume;
+  }
+  check_device(cols, "cols", src);
+  if (!same_dtype(cols.dtype(), src.dtype()) && !same_dtype(cols.dtype(), kFloat32)) {
+    TVM_FFI_THROW(TypeError) << "cols must have the dtype of src (" << dtype_name(src.dtype())
+                             << ") or float32, got " << dtype_name(cols.dtype());
+  }
+  check_contiguous(cols, "cols");
+  check_ndim(cols, "cols", 2);
+  check_size(cols, "cols", 0, map.size(0));
+  const int64_t channels = src.size(1);
+  check_size(cols, "cols", 1, k_volume * channels);
+  const int64_t rows = map.size(0);
+  if (rows == 0 || channels == 0) return;
+  const int device_id = src.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  const bool to_float = !same_dtype(cols.dtype(), src.dtype());
+  dispatch_float(src, "src", [&](auto tag) {
+    using T = decltype(tag);
+    const int out_bytes = to_float ? 4 : static_cast<int>(sizeof(T));
+    const int vec = pick_vec(
+        channels, 8, {{data_of(src), static_cast<int>(sizeof(T))}, {data_of(cols), out_bytes}});
+    dispatch_bools(
+        [&](auto as_float) {
+          using OutT = std::conditional_t<decltype(as_float)::value, float, T>;
+          dispatch_int<8, 4, 2, 1>(vec, [&](auto v) {
+            constexpr int VEC = decltype(v)::value;
+            im2col_kernel<T, OutT, VEC>
+                <<<rows_blocks(rows * k_volume * (channels / VEC), device_id), kBlock, 0, st>>>(
+                    data_of<const T>(src), src.size(0), static_cast<int>(channels),
+                    data_of<const int>(map), static_cast<int>(k_volume), rows, data_of<OutT>(cols));
+            check_launch("sparse_conv_im2col im2col_kernel");
+          });
+        },
+        to_float);
+  });
+}
+
 }  // namespace
 }  // namespace sparse
 }  // namespace muspace
@@ -268,3 +430,5 @@ void scatter_entry(TensorView products, TensorView indice_pairs, Shape counts, T
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_pairs_check, muspace::sparse::pairs_check_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_gather, muspace::sparse::gather_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_scatter, muspace::sparse::scatter_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_maps, muspace::sparse::maps_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_im2col, muspace::sparse::im2col_entry);

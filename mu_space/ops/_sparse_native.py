@@ -22,9 +22,22 @@ Rule book (`rulebook_native`), the reference's layout and order element by eleme
      output keys (capacity >= 2M, row = rank); 7. `sparse_rulebook_forward` (mode 1 / 2):
      lookups in the output table, the same per-offset compaction; 8. `sparse_rulebook_decode`.
 
-Convolution (`conv_native`, `conv_backward_native`): `sparse_pairs_check` (counts, starts and
-row checks; its header is the op's one host synchronisation), `sparse_conv_gather` (the rows of
-one side of every offset into one float32 buffer, one launch), torch.mm per offset in float32
+Convolution, im2col path (`conv_native`, `conv_backward_native`, the default):
+`sparse_conv_maps` builds the rule book's neighbour maps once (cached per rule book like the
+check, NEIGHBOUR_MAPS): out_map [M, K] (the input row feeding output o through offset k, -1 if
+none) and in_map [N, K] (the output row input i feeds through k). Forward: `sparse_conv_im2col`
+gathers cols = features[out_map] -> [rows, K C_in] (zeros for -1) and ONE torch.mm(cols,
+weight.view(K C_in, C_out)) per chunk of output rows (IM2COL_CHUNK_ELEMENTS). Backward: grad_w
+= sum over chunks of cols^T @ grad_out (cols recomputed), grad_x = grad_out[in_map] [N, K C_out]
+@ weight^T [K C_out, C_in]. No atomics anywhere (deterministic by construction); float16 /
+bfloat16 gather and multiply in 16 bits with float32 accumulation and output where torch.mm
+has out_dtype for that device (else float32 operands). A rule book that breaks the rule-book
+invariant (an (o, k) or (i, k) slot twice: the maps cannot hold it, and the per-offset
+scatter's plain adds would race on it) or has a bad row takes the reference on the same device
+(which sums repeated pairs; for a bad row it raises its error).
+Per-offset path: `sparse_pairs_check` (counts, starts and row checks; its header is the op's
+one host synchronisation, shared with the maps' flags), `sparse_conv_gather` (the rows of one
+side of every offset into one float32 buffer, one launch), torch.mm per offset in float32
 (cuBLAS / muBLAS; the reference's shapes and operands), `sparse_conv_scatter` (per offset, in
 offset order, plain float32 adds: the rows of an offset are distinct), one cast at the end.
 Backward: grad_features gathers grad_out at the scatter side, mm with weight[k]^T, scatters to
@@ -40,6 +53,8 @@ the same device; a flagged error re-runs the reference, which raises its own mes
 from __future__ import annotations
 
 import collections
+import functools
+import os
 import weakref
 
 import torch
@@ -51,6 +66,8 @@ from mu_space.runtime.device import stream_handle
 # Verified on an H200 (2026-12-01): memcheck and racecheck clean over tests/ops/
 # test_sparse_native.py (csrc/sparse of 0c53cb5, unchanged since), the GPU suite at 33d2aee.
 UNVERIFIED = ""
+# sparse_conv only: its im2col path (sparse_conv_maps, sparse_conv_im2col) is new since then
+CONV_UNVERIFIED = "the im2col path has not run on a GPU yet: GPU suite and sanitizers pending"
 RULEBOOK_ENTRY_POINTS = (
     "sparse_rulebook_forward",
     "sparse_rulebook_workspace_ints",
@@ -60,6 +77,15 @@ RULEBOOK_ENTRY_POINTS = (
     "sparse_rulebook_decode",
 )
 PAIR_ENTRY_POINTS = ("sparse_pairs_check", "sparse_conv_gather", "sparse_conv_scatter")
+IM2COL_ENTRY_POINTS = ("sparse_conv_maps", "sparse_conv_im2col")
+
+# Elements of one im2col operand (cols [rows, K C]): 2^26 = 256 MiB in float32, 128 MiB in 16
+# bits. CenterPoint-0.075's layers (118k rows x K C_in <= 27 x 16, fewer rows as C grows) fit
+# one chunk; a 1M-row C = 256 layer (27 GB unchunked) takes 104 chunks of ~9.7k rows, each
+# still a GEMM large enough to fill the GPU. Tests lower it to force the chunked path.
+IM2COL_CHUNK_ELEMENTS = 1 << 26
+# Profiling only: MUSPACE_SPARSE_CONV_IM2COL=0 runs every conv on the per-offset path (A/B).
+IM2COL_ENABLED = os.environ.get("MUSPACE_SPARSE_CONV_IM2COL", "1") != "0"
 
 # header of sparse_hash_insert / sparse_rulebook_unique
 _BAD, _DUP, _COUNT, _FULL = range(4)
@@ -182,6 +208,8 @@ def rulebook_native(c, *args):
     out_header = torch.zeros(4, dtype=torch.int32, device=dev)
     out_table = insert_table(out_keys, info["batch_size"], info["out_shape"], out_header, st)
     pairs, num = rulebook_pairs(indices, out_table, ws, info, 2 if info["transposed"] else 1, m, st)
+    # valid by construction over (n in, m out, not inverse); counts unknown on the host
+    CHECKED_PAIRS.put(pairs, num, n, m, False, (None, None, False))
     out_indices = rulebook_decode(out_keys, info, st)
     return RuleBook(out_indices, pairs, num)
 
@@ -235,7 +263,15 @@ class _CheckedPairs:
         if versions is None:
             return
         key = self._key(pairs, num, n_in, n_out, inverse)
-        refs = (weakref.ref(pairs), weakref.ref(num), versions)
+        cache = weakref.ref(self)
+
+        def forget(dead, key=key):  # the entry (its neighbour maps) goes with its tensors
+            entries = getattr(cache(), "_entries", None)
+            entry = entries.get(key) if entries is not None else None
+            if entry is not None and dead in entry[:2]:
+                del entries[key]
+
+        refs = (weakref.ref(pairs, forget), weakref.ref(num, forget), versions)
         self._entries[key] = (*refs, value)
         self._entries.move_to_end(key)
         while len(self._entries) > self.MAX_ENTRIES:
@@ -246,6 +282,9 @@ class _CheckedPairs:
 
 
 CHECKED_PAIRS = _CheckedPairs()
+# (out_map, in_map) of a rule book, or False where the reference must take it (a repeated slot
+# or a bad row)
+NEIGHBOUR_MAPS = _CheckedPairs()
 
 
 def check_pairs(indice_pairs, indice_pair_num, n_in: int, n_out: int, inverse: bool, st):
@@ -256,17 +295,62 @@ def check_pairs(indice_pairs, indice_pair_num, n_in: int, n_out: int, inverse: b
     known = CHECKED_PAIRS.get(indice_pairs, indice_pair_num, n_in, n_out, inverse)
     if known is not None and known[0] is not None:
         return known
-    header = _workspace(2 * K + 3, torch.int32, indice_pairs.device)
+    header = launch_pairs_check(indice_pairs, indice_pair_num, n_in, n_out, inverse, st)
+    if known is not None and known[1] is not None:  # valid by construction: the starts only
+        result = (header, known[1], False)
+    else:
+        result = (header, *pairs_facts(header.tolist(), K))
+    CHECKED_PAIRS.put(indice_pairs, indice_pair_num, n_in, n_out, inverse, result)
+    return result
+
+
+def launch_pairs_check(indice_pairs, indice_pair_num, n_in, n_out, inverse, st):
+    header = _workspace(2 * indice_pairs.shape[0] + 3, torch.int32, indice_pairs.device)
     native.function("sparse_pairs_check")(
         indice_pairs, indice_pair_num, header, n_in, n_out, inverse, st
     )
-    if known is not None:  # counts known, valid by construction: the header's starts only
-        result = (header, known[1], False)
+    return header
+
+
+def pairs_facts(values, K: int):
+    """(host counts [K], bad) from the values of sparse_pairs_check's header."""
+    return values[:K], bool(values[2 * K + 1] or values[2 * K + 2])
+
+
+def neighbour_maps(indice_pairs, indice_pair_num, n_in: int, n_out: int, inverse: bool, st):
+    """The rule book's (out_map [n_out, K], in_map [n_in, K]) int32 (sparse_conv_maps), or None
+    where only the reference may take it (a repeated slot, which the per-offset scatter's plain
+    adds would race on; a bad row, whose error the reference raises). Cached per rule book
+    (NEIGHBOUR_MAPS). The host synchronisation is check_pairs' one, shared with the maps'
+    flags; a rule book built by rulebook_native is valid by construction (no repeated slot
+    either: an offset's reach is injective over distinct sites), so none."""
+    key = (indice_pairs, indice_pair_num, n_in, n_out, inverse)
+    maps = NEIGHBOUR_MAPS.get(*key)
+    if maps is not None:
+        return maps or None
+    known = CHECKED_PAIRS.get(*key)
+    if known is not None and known[2]:
+        NEIGHBOUR_MAPS.put(*key, False)
+        return None
+    K, dev = indice_pairs.shape[0], indice_pairs.device
+    out_map = _workspace((n_out, K), torch.int32, dev)
+    in_map = _workspace((n_in, K), torch.int32, dev)
+    flags = _workspace(2, torch.int32, dev)  # a repeated slot | a bad row (zeroed by the kernel)
+    native.function("sparse_conv_maps")(
+        indice_pairs, indice_pair_num, out_map, in_map, flags, inverse, st
+    )
+    if known is not None and known[0] is None:
+        usable = True
+    elif known is not None:  # checked without maps before (a max pool's rule book): its flags
+        usable = not any(flags.tolist())
     else:
-        values = header.tolist()
-        result = (header, values[:K], bool(values[2 * K + 1] or values[2 * K + 2]))
-    CHECKED_PAIRS.put(indice_pairs, indice_pair_num, n_in, n_out, inverse, result)
-    return result
+        header = launch_pairs_check(indice_pairs, indice_pair_num, n_in, n_out, inverse, st)
+        values = torch.cat((header, flags)).tolist()
+        counts, bad = pairs_facts(values, K)
+        CHECKED_PAIRS.put(*key, (header, counts, bad))
+        usable = not (bad or values[-2] or values[-1])
+    NEIGHBOUR_MAPS.put(*key, (out_map, in_map) if usable else False)
+    return (out_map, in_map) if usable else None
 
 
 def gather(src, indice_pairs, header, total: int, side: int, st):
@@ -299,6 +383,86 @@ def _too_many_pairs(indice_pairs, op: str) -> bool:
 # --------------------------------------------------------------------------- conv
 
 
+@functools.cache
+def _mm_out_float32(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch.mm(a, b, out_dtype=torch.float32, out=...) runs for `dtype` operands on
+    this device type (torch >= 2.8 on CUDA: 16-bit operands, float32 accumulation and output)."""
+    try:
+        a = torch.zeros((1, 1), dtype=dtype, device=device_type)
+        torch.mm(a, a, out_dtype=torch.float32, out=torch.empty((1, 1), device=device_type))
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def gemm_dtype(features) -> torch.dtype:
+    """The im2col operands' dtype: features' own where the GEMM accumulates it in float32."""
+    if features.dtype != torch.float32 and _mm_out_float32(features.device.type, features.dtype):
+        return features.dtype
+    return torch.float32
+
+
+def mm_float32(a, b, out) -> None:
+    """out (float32) = a @ b with float32 accumulation."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    else:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+
+def row_chunks(rows: int, row_elements: int):
+    """(start, stop) blocks of `rows` whose im2col operand stays within IM2COL_CHUNK_ELEMENTS."""
+    step = max(1, IM2COL_CHUNK_ELEMENTS // max(1, row_elements))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def im2col(src, neighbour_map, dtype, st):
+    """cols [rows, K C] of `dtype` (src's or float32): src's rows at neighbour_map, 0 for -1."""
+    rows, K = neighbour_map.shape
+    cols = _workspace((rows, K * src.shape[1]), dtype, src.device)
+    native.function("sparse_conv_im2col")(src, neighbour_map, cols, st)
+    return cols
+
+
+def im2col_forward(feats, weight, out_map, st):
+    """float32 [M, C_out] = sum_k feats[out_map[:, k]] @ weight[k], chunk by chunk."""
+    m, K = out_map.shape
+    c_in, c_out = weight.shape[1:]
+    dtype = gemm_dtype(feats)
+    w = weight.to(dtype).reshape(K * c_in, c_out)
+    out = _workspace((m, c_out), torch.float32, feats.device)
+    for start, stop in row_chunks(m, K * c_in):
+        mm_float32(im2col(feats, out_map[start:stop], dtype, st), w, out[start:stop])
+    return out
+
+
+def im2col_backward(grad_out, feats, weight, maps, needs, st):
+    """(grad_x float32 [N, C_in] or None, grad_w float32 [K, C_in, C_out] or None)."""
+    out_map, in_map = maps
+    K, c_in, c_out = weight.shape
+    dtype = gemm_dtype(feats)
+    g = grad_out.to(dtype).contiguous()
+    grad_x = grad_w = None
+    if needs[1]:
+        grad_w = _workspace((K * c_in, c_out), torch.float32, feats.device)
+        for start, stop in row_chunks(out_map.shape[0], K * c_in):
+            cols_t = im2col(feats, out_map[start:stop], dtype, st).t()
+            if start == 0:
+                mm_float32(cols_t, g[start:stop], grad_w)
+            else:  # chunks summed in order: deterministic
+                part = _workspace((K * c_in, c_out), torch.float32, feats.device)
+                mm_float32(cols_t, g[start:stop], part)
+                grad_w += part
+        grad_w = grad_w.view(K, c_in, c_out)
+    if needs[0]:
+        w_t = weight.to(dtype).permute(0, 2, 1).reshape(K * c_out, c_in)
+        grad_x = _workspace((in_map.shape[0], c_in), torch.float32, feats.device)
+        for start, stop in row_chunks(in_map.shape[0], K * c_out):
+            mm_float32(im2col(g, in_map[start:stop], dtype, st), w_t, grad_x[start:stop])
+    return grad_x, grad_w
+
+
 def _conv_prologue(c, features, indice_pairs, indice_pair_num, op: str = "sparse_conv"):
     n, m, K, c_in, c_out, inverse = c.info
     feats = features.contiguous()
@@ -306,6 +470,18 @@ def _conv_prologue(c, features, indice_pairs, indice_pair_num, op: str = "sparse
     st = stream_handle(feats)
     header, counts, bad = check_pairs(pairs, indice_pair_num.contiguous(), n, m, inverse, st)
     return feats, pairs, st, header, counts, bad
+
+
+def _conv_maps(c, features, indice_pairs, indice_pair_num):
+    """The neighbour maps where the im2col path takes the call, False where the reference
+    must (neighbour_maps), None for the per-offset path (nothing to multiply: zeros, or its
+    error for a bad rule book; or MUSPACE_SPARSE_CONV_IM2COL=0)."""
+    n, m, K, c_in, c_out, inverse = c.info
+    if not (IM2COL_ENABLED and n and m and c_in and c_out):
+        return None
+    pairs, num = indice_pairs.contiguous(), indice_pair_num.contiguous()
+    maps = neighbour_maps(pairs, num, n, m, inverse, stream_handle(features))
+    return False if maps is None else maps
 
 
 @torch.no_grad()  # torch.mm(out=...) on buffers; the op's autograd is its own
@@ -317,6 +493,12 @@ def conv_native(c, features, weight, indice_pairs, indice_pair_num, num_out, inv
     if _too_many_pairs(indice_pairs, "sparse_conv"):
         return sparse_conv_reference(*args)
     n, m, K, c_in, c_out, inverse = c.info
+    maps = _conv_maps(c, features, indice_pairs, indice_pair_num)
+    if maps is False:
+        return sparse_conv_reference(*args)  # sums repeated pairs / raises for bad rows
+    if maps is not None:
+        out = im2col_forward(features.contiguous(), weight, maps[0], stream_handle(features))
+        return out if features.dtype == torch.float32 else out.to(features.dtype)
     feats, pairs, st, header, counts, bad = _conv_prologue(
         c, features, indice_pairs, indice_pair_num
     )
@@ -347,11 +529,36 @@ def conv_backward_native(
     if _too_many_pairs(indice_pairs, "sparse_conv"):
         return sparse_conv_backward_reference(*args)
     n, m, K, c_in, c_out, inverse = c.info
+    maps = _conv_maps(c, features, indice_pairs, indice_pair_num)
+    if maps is False:
+        return sparse_conv_backward_reference(*args)
+    if maps is not None:
+        st = stream_handle(features)
+        grad_x, grad_w = im2col_backward(grad_out, features.contiguous(), weight, maps, needs, st)
+    else:
+        grad_x, grad_w = _per_offset_backward(c, grad_out, features, weight, indice_pairs,
+                                              indice_pair_num, needs, args)  # fmt: skip
+        if grad_x is _REFERENCE:
+            return sparse_conv_backward_reference(*args)
+    if grad_x is not None and features.dtype != torch.float32:
+        grad_x = grad_x.to(features.dtype)
+    if grad_w is not None and weight.dtype != torch.float32:
+        grad_w = grad_w.to(weight.dtype)
+    return grad_x, grad_w
+
+
+_REFERENCE = object()  # _per_offset_backward's answer for a rule book the reference must take
+
+
+def _per_offset_backward(c, grad_out, features, weight, indice_pairs, indice_pair_num, needs,
+                         args):  # fmt: skip
+    """The per-offset backward -> float32 (grad_x, grad_w), or (_REFERENCE, None)."""
+    n, m, K, c_in, c_out, inverse = c.info
     feats, pairs, st, header, counts, bad = _conv_prologue(
         c, features, indice_pairs, indice_pair_num
     )
     if bad:
-        return sparse_conv_backward_reference(*args)
+        return _REFERENCE, None
     dev = feats.device
     grad_x = torch.zeros((n, c_in), dtype=torch.float32, device=dev) if needs[0] else None
     grad_w = torch.zeros((K, c_in, c_out), dtype=torch.float32, device=dev) if needs[1] else None
@@ -370,10 +577,6 @@ def conv_backward_native(
             for k, rows in _per_offset(counts):
                 torch.mm(g[rows], w[k].t(), out=prod[rows])
             scatter(prod, pairs, counts, grad_x, gather_side, st)
-    if grad_x is not None and features.dtype != torch.float32:
-        grad_x = grad_x.to(features.dtype)
-    if grad_w is not None and weight.dtype != torch.float32:
-        grad_w = grad_w.to(weight.dtype)
     return grad_x, grad_w
 
 

@@ -16,11 +16,14 @@ atomics needed. The backward is the real op `mu_space::sparse_conv_backward`: gr
 = the same loop with weight[k]^T, scattered to the gathered side; grad_weight[k] =
 features[gathered]^T @ grad_out[scattered].
 
-Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_conv_musa.mu; GPU suite
-passed on an H200, sanitizers pending: `unverified`): `sparse_pairs_check` (clamped counts and their starts: the one
-host sync, torch.mm needs the counts), `sparse_conv_gather` (the rows of every offset into one
-float32 buffer, one launch), torch.mm per offset, `sparse_conv_scatter` (plain adds per offset,
-in offset order: conflict-free, deterministic); the same order as the reference.
+Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_conv_musa.mu): by default
+the im2col path: `sparse_conv_maps` (the rule book's neighbour maps, once per rule book),
+`sparse_conv_im2col` (features[out_map] -> [rows, K C_in]) and one torch.mm per chunk of rows;
+backward cols^T @ grad_out and grad_out[in_map] @ weight^T; no atomics, deterministic. A rule
+book listing a row twice in one offset (outside the rule-book invariant) runs the reference.
+Kept for empty sizes and A/B timing, the per-offset path: `sparse_pairs_check` (clamped counts
+and their starts), `sparse_conv_gather`, torch.mm per offset, `sparse_conv_scatter` (plain adds
+per offset, in offset order: conflict-free, deterministic). One host sync per rule book at most.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 from mu_space.ops import _opdef, _sparse, _sparse_native
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 
-ENTRY_POINTS = _sparse_native.PAIR_ENTRY_POINTS  # check, gather, scatter (torch.mm between)
+# maps, im2col (torch.mm after); check, gather, scatter (the per-offset path)
+ENTRY_POINTS = _sparse_native.IM2COL_ENTRY_POINTS + _sparse_native.PAIR_ENTRY_POINTS
 
 
 def _check(features, weight, indice_pairs, indice_pair_num, num_out, inverse) -> _opdef.Checked:
@@ -143,7 +147,7 @@ OP = _opdef.define(
         "int num_out, bool inverse) -> Tensor",
         check=_check,
         reference=sparse_conv_reference,
-        native=_sparse_native.conv_native,  # gather / torch.mm / scatter (_sparse_native.py)
+        native=_sparse_native.conv_native,  # im2col / torch.mm (_sparse_native.py)
         backward=_opdef.Backward(
             inputs=("features", "weight"),
             reference=sparse_conv_backward_reference,
@@ -151,7 +155,7 @@ OP = _opdef.define(
         ),
         precondition=_precondition,
         native_dtypes=_sparse.NATIVE_FEATURE_DTYPES,
-        unverified=_sparse_native.UNVERIFIED,
+        unverified=_sparse_native.CONV_UNVERIFIED,
         entry_points=ENTRY_POINTS,
         samples=_samples,
         upstream="spconv 2.x `SubMConv3d` / `SparseConv3d` / `SparseInverseConv3d` "

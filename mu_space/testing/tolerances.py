@@ -64,15 +64,14 @@ _MSDA = {
     torch.bfloat16: Tolerance(1.6e-2, 1.6e-2, "float32 accumulation rounded to bfloat16", True),
 }
 
-# sparse_conv's native path runs the reference's float32 GEMMs (the same operands per offset,
-# torch.mm on a slice of one gathered buffer: cuBLAS / muBLAS may pick another kernel or split
-# for another address or leading dimension) and sums the offsets in the same order; an output
-# sums up to K * C_in products (grad_weight: one per pair, thousands): ~1e-6 of the largest
-# element in float32, then one rounding for float16 / bfloat16.
+# sparse_conv's native paths sum the reference's products (exact in float32 for 16-bit
+# operands) with float32 accumulation in another order: the im2col path in one GEMM over
+# K * C_in (zero columns for absent neighbours), the per-offset path per offset on slices
+# (cuBLAS / muBLAS may pick another kernel or split); an output sums up to K * C_in products
+# (grad_weight: one per pair, thousands): ~1e-6 of the largest element in float32, then one
+# rounding for float16 / bfloat16.
 _SPARSE_CONV = {
-    torch.float32: Tolerance(
-        1e-5, 1e-5, "float32 GEMMs of the same operands (kernel choice)", True
-    ),
+    torch.float32: Tolerance(1e-5, 1e-5, "float32 sums of the same products (order)", True),
     torch.float16: Tolerance(1e-3, 2e-3, "float32 accumulation rounded once to float16", True),
     torch.bfloat16: Tolerance(8e-3, 1.6e-2, "float32 accumulation rounded once to bfloat16", True),
 }

@@ -147,6 +147,154 @@ def test_conv_is_bit_exact_under_deterministic_algorithms():
     assert all(torch.equal(a, b) for a, b in zip(*rbs))
 
 
+# ------------------------------------------------------------------ the im2col conv path
+
+IM2COL_CONVS = [
+    ("subm k3", 16, 16, False),
+    ("strided k3 s2 p1", 16, 32, False),
+    ("strided k3 s2 p1", 32, 16, True),  # inverse
+    ("second (3, 1, 1) s (2, 1, 1)", 5, 7, False),  # odd channels: the scalar loads
+]
+
+
+def _im2col_case(layer, c_in, c_out, inverse, dtype, backend="native", keep=8000, seed=11):
+    """(args of sparse_conv, x, w) on a rule book of `backend` (native: valid by construction,
+    no synchronisation; reference: checked once), x and w requiring grad."""
+    idx, batch = lidar_indices(keep=keep)
+    rb = _rulebook(idx, batch, layer, backend)
+    n_in, n_out = (len(rb.out_indices), len(idx)) if inverse else (len(idx), len(rb.out_indices))
+    K = rb.indice_pairs.shape[0]
+    x = _feats(n_in, c_in, dtype, seed).requires_grad_()
+    w = _feats(K, c_in * c_out, torch.float32, seed + 1).reshape(K, c_in, c_out)
+    w = (w / (K * c_in) ** 0.5).to(dtype).requires_grad_()
+    return (rb.indice_pairs, rb.indice_pair_num, n_out, inverse), x, w
+
+
+def _took_im2col(args, n_in):
+    from mu_space.ops import _sparse_native
+
+    pairs, num, n_out, inverse = args
+    return bool(_sparse_native.NEIGHBOUR_MAPS.get(pairs, num, n_in, n_out, inverse))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", ["one", "chunked"])
+@pytest.mark.parametrize("rule_book", ["native", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("layer", "c_in", "c_out", "inverse"), IM2COL_CONVS)
+def test_im2col_conv_matches_the_reference(
+    monkeypatch, layer, c_in, c_out, inverse, dtype, rule_book, chunk
+):
+    """The im2col path (neighbour maps, one GEMM per chunk of rows) within the tolerance table;
+    "chunked": a budget of 2^16 elements, so every GEMM is split into tens of row blocks (a
+    partial last one)."""
+    from mu_space.ops import _sparse_native
+
+    if chunk == "chunked":
+        monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", 1 << 16)
+    args, x, w = _im2col_case(layer, c_in, c_out, inverse, dtype, rule_book)
+    want = sparse_conv(x, w, *args, backend="reference")
+    with _opdef.poisoned_outputs():
+        got = sparse_conv(x, w, *args, backend="native")
+    assert _took_im2col(args, len(x))
+    tolerances.assert_close(got, want, op="sparse_conv")
+    g = _feats(len(want), c_out, dtype, 13)
+    want_g = torch.autograd.grad(want, (x, w), g)
+    with _opdef.poisoned_outputs():
+        got_g = torch.autograd.grad(got, (x, w), g)
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_im2col_conv_is_bit_exact_under_deterministic_algorithms(monkeypatch, dtype):
+    from mu_space.ops import _sparse_native
+
+    monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", 1 << 16)  # several chunks
+    args, x, w = _im2col_case("subm k3", 32, 32, False, dtype)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            _sparse_native.NEIGHBOUR_MAPS.clear()  # the maps rebuilt too
+            out = sparse_conv(x, w, *args, backend="native")
+            runs.append((out, *torch.autograd.grad(out, (x, w), torch.ones_like(out))))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert _took_im2col(args, len(x))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", ["subm k3", "strided k3 s2 p1"])
+def test_im2col_conv_of_a_native_rule_book_does_not_synchronise(layer):
+    """A rule book from the native sparse_rulebook is valid by construction: its convolutions
+    (maps, forward, backward) read nothing back from the GPU."""
+    import importlib
+
+    from mu_space.ops import _sparse_native
+
+    conv_module = importlib.import_module("mu_space.ops.sparse_conv")
+    args, x, w = _im2col_case(layer, 16, 16, False, torch.float16)
+    x, w = x.detach(), w.detach()
+    c = conv_module._check(x, w, *args)
+    g = _feats(args[2], 16, torch.float16, 15)
+    _sparse_native.gemm_dtype(x)  # the one-time probe of torch.mm's out_dtype, outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
+    try:
+        out = _sparse_native.conv_native(c, x, w, *args)
+        grads = _sparse_native.conv_backward_native(
+            c, g, x, w, *args, needs=(True, True), deterministic=True
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert _took_im2col(args, len(x))
+    want = conv_module.sparse_conv_reference(x, w, *args)
+    tolerances.assert_close(out, want, op="sparse_conv")
+    want_g = conv_module.sparse_conv_backward_reference(g, x, w, *args)
+    tolerances.assert_close(grads, want_g, op="sparse_conv", name="grad")
+
+
+@pytest.mark.gpu
+def test_a_rule_book_with_a_repeated_pair_runs_the_reference():
+    """A pair listed twice in one offset (outside the rule-book invariant; the reference sums
+    both terms): the neighbour maps cannot hold it and the per-offset scatter would race on it,
+    so native runs the reference and matches it."""
+    args, x, w = _im2col_case("strided k3 s2 p1", 8, 8, False, torch.float32, "reference")
+    pairs, num, n_out, inverse = args
+    counts = num.tolist()
+    k = next(k for k, c in enumerate(counts) if 0 < c < pairs.shape[2])
+    pairs, num = pairs.clone(), num.clone()
+    pairs[k, :, counts[k]] = pairs[k, :, 0]
+    num[k] += 1
+    args = (pairs, num, n_out, inverse)
+    want = sparse_conv(x, w, *args, backend="reference")
+    with _opdef.poisoned_outputs():
+        got = sparse_conv(x, w, *args, backend="native")
+    assert not _took_im2col(args, len(x))
+    tolerances.assert_close(got, want, op="sparse_conv")
+    g = _feats(len(want), 8, torch.float32, 14)
+    got_g = torch.autograd.grad(got, (x, w), g)
+    tolerances.assert_close(got_g, torch.autograd.grad(want, (x, w), g), op="sparse_conv",
+                            name="grad")  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_im2col_conv_of_a_rule_book_without_pairs_is_zero():
+    device = native_gpu_device()
+    pairs = torch.full((27, 2, 5), -1, dtype=torch.int32, device=device)
+    num = torch.zeros(27, dtype=torch.int32, device=device)
+    x = torch.randn((5, 8), device=device, requires_grad=True)
+    w = torch.randn((27, 8, 4), device=device, requires_grad=True)
+    with _opdef.poisoned_outputs():
+        out = sparse_conv(x, w, pairs, num, 3, backend="native")
+    assert _took_im2col((pairs, num, 3, False), 5)
+    assert torch.equal(out, torch.zeros(3, 4, device=device))
+    gx, gw = torch.autograd.grad(out, (x, w), torch.ones_like(out))
+    assert torch.equal(gx, torch.zeros_like(x)) and torch.equal(gw, torch.zeros_like(w))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("channels", [16, 5])

@@ -32,6 +32,7 @@ from native_messages import _tensor, _variants  # noqa: E402
 ENTRY_POINTS = (
     *_sparse_native.RULEBOOK_ENTRY_POINTS,
     *_sparse_native.PAIR_ENTRY_POINTS,
+    *_sparse_native.IM2COL_ENTRY_POINTS,
     "sparse_maxpool_forward",
     "sparse_maxpool_backward",
 )
@@ -119,7 +120,7 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
     f, w, p, n, m, inv = sparse_conv.sample_case("cpu", subm=False, inverse=inverse)
     f, w = f.to(dtype), w.to(dtype)
     c = sparse_conv._check(f, w, p, n, m, inv)
-    with pytest.raises(ReachedRuntime):  # the first launch: sparse_pairs_check
+    with pytest.raises(ReachedRuntime):  # the first launch: sparse_conv_maps
         _sparse_native.conv_native(c, f, w, p, n, m, inv)
     g = torch.zeros(m, w.shape[2], dtype=dtype)
     with pytest.raises(ReachedRuntime):
@@ -127,6 +128,21 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
             c, g, f, w, p, n, m, inv, needs=(True, True), deterministic=True
         )
     K, _, P = p.shape
+    n_in = f.shape[0]
+    out_map = torch.zeros(m, K, dtype=torch.int32)
+    with pytest.raises(ReachedRuntime):
+        _sparse_native.neighbour_maps(p, n, n_in, m, inv, 0)
+    with pytest.raises(ReachedRuntime):
+        _sparse_native.launch_pairs_check(p, n, n_in, m, inv, 0)
+    cols_dtypes = tuple(dict.fromkeys((dtype, torch.float32)))  # 16-bit GEMMs / float32 ones
+    for cols_dtype in cols_dtypes:  # the forward's and the weight gradient's operand
+        with pytest.raises(ReachedRuntime):
+            _sparse_native.im2col(f, out_map[: m // 2], cols_dtype, 0)
+    with pytest.raises(ReachedRuntime):  # the input gradient's operand
+        _sparse_native.im2col(g, torch.zeros(n_in, K, dtype=torch.int32), dtype, 0)
+    want = ["sparse_conv_maps"] * 3 + ["sparse_pairs_check"]
+    assert calls == want + ["sparse_conv_im2col"] * (len(cols_dtypes) + 1)
+    calls.clear()
     counts = n.clamp(0, P).tolist()
     total = sum(counts)
     header = torch.zeros(2 * K + 3, dtype=torch.int32)
@@ -137,7 +153,7 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
     with pytest.raises(ReachedRuntime):
         _sparse_native.scatter(torch.zeros(total, w.shape[2]), p, counts,
                                torch.zeros(m, w.shape[2]), s_side, 0)  # fmt: skip
-    assert calls == ["sparse_pairs_check"] * 2 + ["sparse_conv_gather", "sparse_conv_scatter"]
+    assert calls == ["sparse_conv_gather", "sparse_conv_scatter"]
     if inverse:
         return
     calls.clear()
@@ -219,6 +235,14 @@ def _base_cases(lib):
                 0,
             ],
             ["products", "indice_pairs", "acc"],
+        ),
+        "sparse_conv_maps": (
+            [pairs, num, np.zeros((m, K), i32), np.zeros((n, K), i32), np.zeros(2, i32), False, 0],
+            ["indice_pairs", "indice_pair_num", "out_map", "in_map", "flags"],
+        ),
+        "sparse_conv_im2col": (
+            [feats, np.zeros((m, K), i32), np.zeros((m, K * C), f32), 0],
+            ["src", "map", "cols"],
         ),
         "sparse_maxpool_forward": (
             [feats, pairs, counts, np.zeros((m, C), f32), np.zeros(m, i32), 0],

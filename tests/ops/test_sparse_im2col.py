@@ -1,0 +1,223 @@
+"""sparse_conv's im2col path (mu_space/ops/_sparse_native.py) on the CPU, with its kernels
+(sparse_conv_maps, sparse_conv_im2col, and the per-offset path's sparse_pairs_check /
+sparse_conv_gather / sparse_conv_scatter) emulated in PyTorch by their documented contracts:
+the orchestration (neighbour maps, chunks, the backward's two GEMMs, inverse, the reference on
+a repeated slot, the caches and their one host synchronisation) against the reference. The real
+kernels are checked on a GPU in tests/ops/test_sparse_native.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import torch
+
+from mu_space.ops import _sparse_native
+from mu_space.testing import tolerances
+
+sparse_conv = importlib.import_module("mu_space.ops.sparse_conv")  # the module, not the op
+
+
+def _maps(pairs, num, out_map, in_map, flags, inverse, st):
+    K, _, P = pairs.shape
+    out_map.fill_(-1), in_map.fill_(-1), flags.zero_()
+    g_side = 1 if inverse else 0
+    for k in range(K):
+        c = max(0, min(int(num[k]), P))
+        for g, s in zip(pairs[k, g_side, :c].tolist(), pairs[k, 1 - g_side, :c].tolist()):
+            if not (0 <= g < in_map.shape[0] and 0 <= s < out_map.shape[0]):
+                flags[1] = 1
+                continue
+            if out_map[s, k] != -1 or in_map[g, k] != -1:
+                flags[0] = 1
+            out_map[s, k], in_map[g, k] = g, s
+
+
+def _im2col(src, neighbour_map, cols, st):
+    rows, K = neighbour_map.shape
+    padded = torch.cat((src, torch.zeros_like(src[:1])))  # row -1 -> the zero row
+    taken = padded[neighbour_map.long().where(neighbour_map >= 0, src.shape[0])]
+    cols.copy_(taken.reshape(rows, K * src.shape[1]).to(cols.dtype))
+
+
+def _pairs_check(pairs, num, header, n_in, n_out, inverse, st):
+    K, _, P = pairs.shape
+    counts = num.clamp(0, P)
+    header.zero_()
+    header[:K] = counts
+    header[K + 1 : 2 * K + 1] = counts.cumsum(0)
+    header[2 * K + 1] = int(((num < 0) | (num > P)).any())
+    g_side = 1 if inverse else 0
+    for k in range(K):
+        c = int(counts[k])
+        g, s = pairs[k, g_side, :c], pairs[k, 1 - g_side, :c]
+        if ((g < 0) | (g >= n_in) | (s < 0) | (s >= n_out)).any():
+            header[2 * K + 2] = 1
+
+
+def _gather(src, pairs, starts, out, side, st):
+    for k in range(pairs.shape[0]):
+        a, b = int(starts[k]), int(starts[k + 1])
+        out[a:b] = src[pairs[k, side, : b - a].long()].float()
+
+
+def _scatter(products, pairs, counts, acc, side, st):
+    start = 0
+    for k, c in enumerate(counts):
+        acc.index_add_(0, pairs[k, side, :c].long(), products[start : start + c])
+        start += c
+
+
+KERNELS = {
+    "sparse_conv_maps": _maps,
+    "sparse_conv_im2col": _im2col,
+    "sparse_pairs_check": _pairs_check,
+    "sparse_conv_gather": _gather,
+    "sparse_conv_scatter": _scatter,
+}
+
+
+class _Calls(list):
+    syncs: int
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """The kernels above as `native`; returns the list of launched entry point names."""
+    calls = _Calls()
+    calls.syncs = 0  # tolist() calls outside the emulated kernels: the path's host syncs
+    inside = []
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(t):
+        calls.syncs += not inside
+        return tolist(t)
+
+    def function(name):
+        def call(*args):
+            calls.append(name)
+            inside.append(name)
+            try:
+                return KERNELS[name](*args)
+            finally:
+                inside.pop()
+
+        return call
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+
+    fake = types.SimpleNamespace(function=function, limit=lambda key: 2**31 - 1)
+    monkeypatch.setattr(_sparse_native, "native", fake)
+    monkeypatch.setattr(_sparse_native, "stream_handle", lambda t: 0)
+    _sparse_native.CHECKED_PAIRS.clear()
+    _sparse_native.NEIGHBOUR_MAPS.clear()
+    yield calls
+    _sparse_native.CHECKED_PAIRS.clear()
+    _sparse_native.NEIGHBOUR_MAPS.clear()
+
+
+def _run(args, grad_seed=5):
+    """(native out, native (grad_x, grad_w)), (reference out, reference grads)."""
+    f, w, p, n, m, inv = args
+    c = sparse_conv._check(*args)
+    got = _sparse_native.conv_native(c, *args)
+    want = sparse_conv.sparse_conv_reference(*args)
+    g = torch.randn(want.shape, generator=torch.Generator().manual_seed(grad_seed)).to(f.dtype)
+    got_g = _sparse_native.conv_backward_native(c, g, *args, needs=(True, True), deterministic=True)
+    want_g = sparse_conv.sparse_conv_backward_reference(g, *args)
+    return (got, got_g), (want, want_g)
+
+
+CASES = {
+    "subm": dict(subm=True),
+    "strided": dict(subm=False),
+    "inverse": dict(subm=False, inverse=True, c_in=8, c_out=4),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1 << 26, 7 * 27 * 8, 1])  # one chunk, several, a row each
+@pytest.mark.parametrize("case", list(CASES))
+def test_im2col_path_matches_the_reference(emulated, monkeypatch, case, chunk, dtype):
+    monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", chunk)
+    f, w, p, n, m, inv = sparse_conv.sample_case("cpu", **CASES[case])
+    args = (f.to(dtype), w.to(dtype), p, n, m, inv)
+    (got, got_g), (want, want_g) = _run(args)
+    assert "sparse_conv_gather" not in emulated  # the im2col path ran
+    assert got.dtype == want.dtype and got_g[0].dtype == got_g[1].dtype == dtype
+    tolerances.assert_close(got, want, op="sparse_conv")
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
+def test_a_repeated_slot_runs_the_reference(emulated):
+    """A rule book whose offset lists one (input, output) pair twice: the maps cannot hold it
+    and the per-offset scatter's plain adds would race on it: the reference sums both."""
+    f, w, p, n, m, inv = sparse_conv.sample_case("cpu")
+    p, num = p.clone(), n.clone()
+    k = int(torch.nonzero((num > 0) & (num < p.shape[2]))[0])  # an offset with a free slot
+    c = int(num[k])
+    p[k, :, c] = p[k, :, 0]
+    num[k] = c + 1
+    args = (f, w, p, num, m, inv)
+    (got, got_g), (want, want_g) = _run(args)
+    assert "sparse_conv_maps" in emulated
+    assert not {"sparse_conv_im2col", "sparse_conv_gather"} & set(emulated)
+    tolerances.assert_close(got, want, op="sparse_conv")
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
+def test_a_bad_row_is_the_reference_error(emulated):
+    f, w, p, n, m, inv = sparse_conv.sample_case("cpu")
+    p = p.clone()
+    p[0, 1, 0] = m
+    c = sparse_conv._check(f, w, p, n, m, inv)
+    with pytest.raises(ValueError, match="indice_pairs"):
+        _sparse_native.conv_native(c, f, w, p, n, m, inv)
+
+
+def test_maps_are_built_and_checked_once_per_rule_book(emulated):
+    """One maps build and one host synchronisation (the check's header and the maps' flags
+    together) for a rule book used by a forward and a backward, twice."""
+    args = sparse_conv.sample_case("cpu")
+    c = sparse_conv._check(*args)
+    g = torch.ones(args[4], args[1].shape[2])
+    for _ in range(2):
+        _sparse_native.conv_native(c, *args)
+        _sparse_native.conv_backward_native(c, g, *args, needs=(True, True), deterministic=True)
+    assert emulated.count("sparse_conv_maps") == 1
+    assert emulated.count("sparse_pairs_check") == 1
+    assert emulated.syncs == 1
+
+
+def test_a_rulebook_native_subm_rule_book_needs_no_synchronisation(emulated):
+    """rulebook_native leaves its SubM rule books as checked (counts known, valid by
+    construction): the maps are built without reading anything back."""
+    f, w, p, n, m, inv = sparse_conv.sample_case("cpu")
+    _sparse_native.CHECKED_PAIRS.put(p, n, len(f), m, False, (None, n.tolist(), False))
+    emulated.syncs = 0
+    c = sparse_conv._check(f, w, p, n, m, inv)
+    got = _sparse_native.conv_native(c, f, w, p, n, m, inv)
+    assert not emulated.syncs and emulated == ["sparse_conv_maps", "sparse_conv_im2col"]
+    tolerances.assert_close(got, sparse_conv.sparse_conv_reference(f, w, p, n, m, inv),
+                            op="sparse_conv")  # fmt: skip
+
+
+def test_cached_maps_go_with_their_rule_book():
+    from mu_space.ops._sparse_native import _CheckedPairs
+
+    cache = _CheckedPairs()
+    pairs, num = torch.zeros(2, 2, 5, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    cache.put(pairs, num, 5, 5, False, ("maps",))
+    assert len(cache._entries) == 1
+    del pairs
+    assert len(cache._entries) == 0  # no dead rule book's maps held until evicted
+
+
+def test_the_profiling_switch_runs_the_per_offset_path(emulated, monkeypatch):
+    monkeypatch.setattr(_sparse_native, "IM2COL_ENABLED", False)
+    (got, got_g), (want, want_g) = _run(sparse_conv.sample_case("cpu"))
+    assert "sparse_conv_maps" not in emulated and "sparse_conv_gather" in emulated
+    tolerances.assert_close(got, want, op="sparse_conv")
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
