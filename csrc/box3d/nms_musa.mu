@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(kFixedThreads)
     }
     __syncthreads();
     for (int w = tid; w < tiles; w += kFixedThreads) {
-      if (s_removed[wr][w] != s_removed[rd][w]) s_changed[round % 3] = 1;  // same value by all
+      if (s_removed[wr][w] != s_removed[rd][w]) atomicOr(&s_changed[round % 3], 1);
     }
     __syncthreads();
     if (!s_changed[round % 3]) {  // block-uniform

@@ -284,14 +284,15 @@ def _bev_order(scores, pre_max_size, skip_stable_resort=False):
     """mmcv's nms_bev -> nms_rotated visiting order: sorted, cut to pre_max_size, sorted again.
 
     skip_stable_resort: leave out the second sort where it is the identity. scores[order] is
-    already in descending order, so a STABLE sort returns it unchanged. torch's CUDA sort of
-    a slice of <= 4096 elements (sortKeyValueInplace, torch 1.13 to 2.x): an unstable bitonic
-    sort up to 32 elements, a stable warp merge sort up to 128, a stable radix sort above; the
-    two radix / comparator orders agree (NaN first, equal keys apart from -0.0 / +0.0, which
-    the radix keys order and the comparator calls equal: no pair is ordered differently).
-    Above 4096 elements the first sort is another algorithm (CUB's radix keys, with their own
-    NaN and signed-zero order), so only 32 < len(order) and len(scores) <= 4096 skip it, on
-    CUDA builds (not ROCm, not torch_musa: other sort kernels)."""
+    already in descending order, so a STABLE sort returns it unchanged. torch's CUDA sort of a
+    slice of <= 4096 elements (sortKeyValueInplace, torch 2.x; this package needs >= 2.4): a
+    bitonic sort (unstable) up to 32 elements, a stable warp merge sort up to 128, a stable
+    radix sort above (builds without the merge sort: the radix sort from 33 on). Their orders
+    agree: NaN first, and the only keys one calls equal and the other orders are -0.0 / +0.0
+    (the radix keys order them, the comparator keeps them in place), so no pair is ordered
+    differently. Above 4096 elements the first sort is another algorithm (CUB's radix keys,
+    with their own NaN and signed-zero order), so only 32 < len(order) and len(scores) <= 4096
+    skip it, on CUDA builds (not ROCm, not torch_musa: other sort kernels)."""
     order = scores.sort(0, descending=True)[1]
     if pre_max_size is not None:
         order = order[:pre_max_size]

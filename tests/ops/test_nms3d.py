@@ -262,7 +262,7 @@ def test_native_suppression_chains():
 def test_native_nms_bev_order_with_ties_and_signed_zeros(n):
     """nms_bev's native path leaves out mmcv's second sort where torch's sort is stable (more
     than 32 boxes visited, at most 4096 scores): the order must stay the double sort's, with
-    heavily tied scores, -0.0 next to +0.0 and NaN scores, for every pre_max_size around the
+    heavily tied scores, -0.0 next to +0.0 and NaN scores (both signs), for every pre_max_size around the
     sort algorithms' size boundaries."""
     from mu_space.ops import iou3d
 
@@ -273,6 +273,7 @@ def test_native_nms_bev_order_with_ties_and_signed_zeros(n):
     tied[::7] = 0.0
     tied[::11] = -0.0
     tied[5::97] = math.nan
+    tied[6::89] = -math.nan  # sign bit set: radix keys and comparators must agree on it too
     tied = tied.to(device)
     for pre in (None, 31, 32, 33, 128, 129, 500, 4096):
         want = iou3d._bev_order(tied, pre)
