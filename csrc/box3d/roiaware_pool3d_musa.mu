@@ -334,6 +334,9 @@ __global__ void __launch_bounds__(kThreads)
                     const int64_t* __restrict__ cell_start, const int* __restrict__ cell_count,
                     const int* __restrict__ point_list, int64_t list_len,
                     float* __restrict__ grad_in, I n_groups, I channels, int n_points, bool avg) {
+  // 4 channels x 4 entries = 16 feature loads in flight (8 entries: 78 registers, 3 blocks per
+  // SM; most cells of an RoI hold a few points, so occupancy matters more than depth)
+  constexpr int kDepth = kVec == 1 ? kGather : 4;
   const I groups_per_cell = channels / kVec;
   for (I e = static_cast<I>(global_thread()); e < n_groups; e += static_cast<I>(global_threads())) {
     const I cell = e / groups_per_cell;
@@ -356,12 +359,12 @@ __global__ void __launch_bounds__(kThreads)
       float gv[kVec];
 #pragma unroll
       for (int u = 0; u < kVec; ++u) gv[u] = mul(g[u], inv);
-      for (int k = sl.k0; k < sl.k1; k += kGather) {
-        int p[kGather];
+      for (int k = sl.k0; k < sl.k1; k += kDepth) {
+        int p[kDepth];
 #pragma unroll
-        for (int q = 0; q < kGather; ++q) p[q] = k + q < sl.k1 ? sl.point(k + q) : -1;
+        for (int q = 0; q < kDepth; ++q) p[q] = k + q < sl.k1 ? sl.point(k + q) : -1;
 #pragma unroll
-        for (int q = 0; q < kGather; ++q) {
+        for (int q = 0; q < kDepth; ++q) {
           if (p[q] >= 0 && any) {
             atomic_add_scaled<kVec>(grad_in + static_cast<int64_t>(p[q]) * channels + c0, 1.0f, gv);
           }
@@ -375,13 +378,13 @@ __global__ void __launch_bounds__(kThreads)
         top[u] = -INFINITY;  // mmcv's -1e50 in float
         arg[u] = -1;
       }
-      for (int k = sl.k0; k < sl.k1; k += kGather) {
-        int p[kGather];
+      for (int k = sl.k0; k < sl.k1; k += kDepth) {
+        int p[kDepth];
 #pragma unroll
-        for (int q = 0; q < kGather; ++q) p[q] = k + q < sl.k1 ? sl.point(k + q) : -1;
-        float v[kGather][kVec];
+        for (int q = 0; q < kDepth; ++q) p[q] = k + q < sl.k1 ? sl.point(k + q) : -1;
+        float v[kDepth][kVec];
 #pragma unroll
-        for (int q = 0; q < kGather; ++q) {
+        for (int q = 0; q < kDepth; ++q) {
 #pragma unroll
           for (int u = 0; u < kVec; ++u) {
             v[q][u] =
@@ -389,7 +392,7 @@ __global__ void __launch_bounds__(kThreads)
           }
         }
 #pragma unroll
-        for (int q = 0; q < kGather; ++q) {
+        for (int q = 0; q < kDepth; ++q) {
 #pragma unroll
           for (int u = 0; u < kVec; ++u) {
             if (p[q] >= 0 && v[q][u] > top[u]) {  // first maximum, as slice_argmax
