@@ -15,7 +15,11 @@
 //    NONZERO words only, as entries {bits, column tile, row in tile} appended to the list of the
 //    row tile (block-aggregated atomics). Suppression is sparse (a box overlaps a handful of
 //    others), so a tile's list is short: 4096 boxes at IoU 0.7 give ~1 entry per box, not 64.
-// 2. reduce_kernel, one block: walks the tiles in order with the removed bits of every tile in
+// 2. fixed_point_kernel (up to 512 tiles), one block: the greedy result as the fixed point of
+//    "kept = not suppressed by a kept box", iterated over all entries at once from "all kept";
+//    a round costs two barriers, and sparse suppression converges in a few rounds instead of
+//    one serial step per tile. After 32 rounds without convergence it leaves the result to
+// 3. reduce_kernel, one block (also the path above 512 tiles): walks the tiles in order with the removed bits of every tile in
 //    shared memory. Per tile k: thread 0 resolves the tile from its removed word and its diagonal
 //    entries, visiting only rows that suppress something inside the tile (the rows of a nonzero
 //    diagonal word); every other row's fate is its removed bit. Then all threads OR the kept
@@ -45,6 +49,13 @@ constexpr int kTile = 64;     // boxes per tile: one 64-bit word of the mask
 constexpr int kQueue = 1024;  // pairs a mask block clips together (more: clipped in place)
 constexpr int kReduceThreads = 128;
 constexpr int kSlots = 4;  // entries of the next tile each reduce thread holds in registers
+// fixed_point_kernel: one block for up to kFixedMaxTiles tiles (32768 boxes; its shared memory
+// is 3 x 4 KB of removed words, 2 KB of list starts, 4 KB of scan buffers), entries of kFixedSlots
+// per thread in registers (4096 in all; more are re-read each round), kFixedRounds rounds.
+constexpr int kFixedThreads = 512;
+constexpr int kFixedMaxTiles = kFixedThreads;  // one tile per thread in the prefix sums
+constexpr int kFixedSlots = 8;
+constexpr int kFixedRounds = 32;
 // removed bits of every tile in shared memory (24 KB, under the 28 KB portable limit)
 constexpr int64_t kMaxTiles = 3072;
 constexpr int64_t kMaxBoxes = kMaxTiles * kTile;
@@ -88,6 +99,24 @@ __device__ __forceinline__ void atomic_or_word(Word* p, Word v) {
   if (hi) atomicOr(half + 1, hi);
 }
 
+// Exclusive prefix of one value per thread over a block of kFixedThreads (`total`: the sum);
+// s: two kFixedThreads buffers, alternating so that each step reads one and writes the other.
+__device__ __forceinline__ int block_exclusive_prefix(int v, int (*s)[kFixedThreads], int& total) {
+  const int tid = threadIdx.x;
+  int cur = 0;
+  s[0][tid] = v;
+  __syncthreads();
+  for (int off = 1; off < kFixedThreads; off <<= 1) {
+    s[cur ^ 1][tid] = s[cur][tid] + (tid >= off ? s[cur][tid - off] : 0);
+    cur ^= 1;
+    __syncthreads();
+  }
+  const int inclusive = s[cur][tid];
+  total = s[cur][kFixedThreads - 1];
+  __syncthreads();  // s is free again
+  return inclusive - v;
+}
+
 template <typename T, int kKind>
 __global__ void __launch_bounds__(kTile)
     mask_kernel(const T* __restrict__ boxes, const int64_t* __restrict__ order,
@@ -101,6 +130,9 @@ __global__ void __launch_bounds__(kTile)
   __shared__ Rect s_row[kTile];
   __shared__ Word s_clipped[kTile];           // bits decided by the clip queue
   __shared__ unsigned short s_queue[kQueue];  // (row << 6) | column of a pair to clip
+  // each thread's clip vertices, interleaved (conflict-free): 8 KB in shared memory instead of
+  // the 160-byte stack, which 24 resident blocks with 9 KB of shared memory each left little L1
+  __shared__ float s_clip[kClips ? kClipFloats * kTile : 1];
   __shared__ unsigned int s_queued;
   __shared__ unsigned int s_count;
   __shared__ unsigned int s_base;
@@ -128,7 +160,8 @@ __global__ void __launch_bounds__(kTile)
           const unsigned int q = atomicAdd(&s_queued, 1u);
           if (q < kQueue) {
             s_queue[q] = static_cast<unsigned short>((tid << 6) | k);
-          } else if (suppresses(pair_value(a, b, kKind), threshold, kKind)) {  // queue full
+          } else if (suppresses(pair_value_in<kTile>(a, b, kKind, s_clip + tid), threshold,
+                                kKind)) {  // queue full
             bits |= Word{1} << k;
           }
         } else if (zero_suppresses && a.ok && b.ok) {  // unclipped_value: 0 or NaN
@@ -147,7 +180,8 @@ __global__ void __launch_bounds__(kTile)
     for (unsigned int q = tid; q < queued; q += kTile) {
       const int row = s_queue[q] >> 6;
       const int col = s_queue[q] & (kTile - 1);
-      if (suppresses(pair_value(s_row[row], s_col[col], kKind), threshold, kKind)) {
+      if (suppresses(pair_value_in<kTile>(s_row[row], s_col[col], kKind, s_clip + tid), threshold,
+                     kKind)) {
         atomic_or_word(s_clipped + row, Word{1} << col);
       }
     }
@@ -195,8 +229,10 @@ __device__ __forceinline__ void publish_diagonal(const Entry& e, Word* s_diag,
 __global__ void __launch_bounds__(kReduceThreads)
     reduce_kernel(const Entry* __restrict__ lists, const unsigned int* __restrict__ list_size,
                   const int64_t* __restrict__ order, Word* __restrict__ tile_kept,
-                  int64_t* __restrict__ tile_base, int64_t* __restrict__ keep, int64_t n,
-                  int64_t max_keep) {
+                  int64_t* __restrict__ tile_base, int64_t* __restrict__ keep,
+                  const unsigned int* __restrict__ fallback, int64_t n, int64_t max_keep) {
+  // fixed_point_kernel ran first (fallback not null) and converged: keep is written
+  if (fallback != nullptr && *fallback == 0) return;
   extern __shared__ Word s_removed[];  // [tiles]
   __shared__ Word s_diag[kTile];
   __shared__ unsigned int s_nonzero[2];  // rows of the tile with a nonzero diagonal word
@@ -318,6 +354,130 @@ __global__ void __launch_bounds__(kReduceThreads)
   if (tid == 0) keep[n] = count;
 }
 
+// The fixed point of the greedy rule, for up to kFixedMaxTiles tiles: a box is kept iff it is
+// not suppressed by a kept box before it. That rule has exactly one solution (by induction
+// over the visiting order), so any removed set R with R = suppressed(kept = not R) IS the greedy
+// result. Starting from R = {} (every box kept), each round recomputes R from the previous
+// round's kept boxes, all entries in parallel; a round that changes nothing has reached it.
+// Round t fixes at least every box whose suppression chains are shorter than t, so a handful of
+// rounds suffice when suppression is sparse (detections: clusters of jittered copies). After
+// kFixedRounds rounds without convergence (a long chain: box k suppresses only k + 1, ...) the
+// kernel gives up (*fallback = 1) and the tile walk (reduce_kernel) runs as before.
+// Removed words rotate through three buffers (read r % 3, write (r + 1) % 3, clear (r + 2) % 3),
+// so every shared word is only read or only written between two barriers; two barriers a round.
+__global__ void __launch_bounds__(kFixedThreads)
+    fixed_point_kernel(const Entry* __restrict__ lists, const unsigned int* __restrict__ list_size,
+                       const int64_t* __restrict__ order, Word* __restrict__ tile_kept,
+                       int64_t* __restrict__ tile_base, int64_t* __restrict__ keep,
+                       unsigned int* __restrict__ fallback, int64_t n, int64_t max_keep) {
+  __shared__ Word s_removed[3][kFixedMaxTiles];
+  __shared__ int s_start[kFixedMaxTiles];  // flat index of each row tile's first entry
+  __shared__ int s_scan[2][kFixedThreads];
+  __shared__ int s_changed[3];
+  const int tid = threadIdx.x;
+  const int tiles = static_cast<int>((n + kTile - 1) / kTile);  // <= kFixedMaxTiles
+  const unsigned int own_size = tid < tiles ? list_size[tid] : 0u;
+  for (int w = tid; w < tiles; w += kFixedThreads) {
+    s_removed[0][w] = 0;
+    s_removed[1][w] = 0;
+  }
+  if (tid < 3) s_changed[tid] = 0;
+  // exclusive prefix of the list sizes (one tile per thread), Hillis-Steele over two buffers
+  int total = 0;
+  const int first = block_exclusive_prefix(static_cast<int>(own_size), s_scan, total);
+  if (tid < tiles) s_start[tid] = first;
+  __syncthreads();
+  // the list entry of flat index f: the last row tile whose start is <= f
+  auto locate = [&](int f, int& tile) -> Entry {
+    int lo = 0, hi = tiles - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (s_start[mid] <= f) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    tile = lo;
+    return lists[list_offset(lo, tiles) + (f - s_start[lo])];
+  };
+  Entry e[kFixedSlots];
+  int e_tile[kFixedSlots];  // the entry's row tile, -1: no entry
+#pragma unroll
+  for (int q = 0; q < kFixedSlots; ++q) {
+    const int f = tid + q * kFixedThreads;
+    e[q] = Entry{0, 0, 0};
+    e_tile[q] = -1;
+    if (f < total) e[q] = locate(f, e_tile[q]);
+  }
+  int round = 0;
+  int final_buffer = -1;
+  for (; round < kFixedRounds; ++round) {
+    const int rd = round % 3, wr = (round + 1) % 3, cl = (round + 2) % 3;
+    for (int w = tid; w < tiles; w += kFixedThreads) s_removed[cl][w] = 0;
+    if (tid == 0) s_changed[(round + 1) % 3] = 0;
+#pragma unroll
+    for (int q = 0; q < kFixedSlots; ++q) {
+      if (e_tile[q] >= 0 && !((s_removed[rd][e_tile[q]] >> e[q].row) & 1)) {
+        atomic_or_word(&s_removed[wr][e[q].col], e[q].bits);
+      }
+    }
+    for (int f = tid + kFixedSlots * kFixedThreads; f < total; f += kFixedThreads) {
+      int tile;
+      const Entry x = locate(f, tile);
+      if (!((s_removed[rd][tile] >> x.row) & 1)) atomic_or_word(&s_removed[wr][x.col], x.bits);
+    }
+    __syncthreads();
+    for (int w = tid; w < tiles; w += kFixedThreads) {
+      if (s_removed[wr][w] != s_removed[rd][w]) atomicOr(&s_changed[round % 3], 1);
+    }
+    __syncthreads();
+    if (!s_changed[round % 3]) {  // block-uniform
+      final_buffer = wr;
+      break;
+    }
+  }
+  if (final_buffer < 0) {  // block-uniform: not converged, the walk takes over
+    if (tid == 0) *fallback = 1;
+    return;
+  }
+  if (tid == 0) *fallback = 0;
+  // kept bits per tile, their exclusive prefix, the max_keep cut; then keep[rank] = order[i]
+  Word kept = 0;
+  if (tid < tiles) {
+    const int rows = static_cast<int>(::min(static_cast<int64_t>(kTile), n - tid * kTile));
+    const Word valid = rows == kTile ? ~Word{0} : (Word{1} << rows) - 1;
+    kept = valid & ~s_removed[final_buffer][tid];
+  }
+  int count = 0;
+  const int base = block_exclusive_prefix(__popcll(kept), s_scan, count);
+  if (tid < tiles) {
+    if (base >= max_keep) {
+      kept = 0;
+    } else if (base + __popcll(kept) > max_keep) {  // the first max_keep - base of them
+      Word first = 0;
+      for (int64_t q = base; q < max_keep; ++q) {
+        const Word low = kept & (~kept + 1);
+        first |= low;
+        kept ^= low;
+      }
+      kept = first;
+    }
+    tile_kept[tid] = kept;
+    tile_base[tid] = base;
+    s_removed[final_buffer][tid] = kept;  // read back below, after the barrier
+    s_start[tid] = base;
+  }
+  __syncthreads();
+  for (int64_t i = tid; i < n; i += kFixedThreads) {
+    const int k = static_cast<int>(i / kTile);
+    const int b = static_cast<int>(i % kTile);
+    const Word bits = s_removed[final_buffer][k];
+    if ((bits >> b) & 1) keep[s_start[k] + __popcll(bits & ((Word{1} << b) - 1))] = order[i];
+  }
+  if (tid == 0) keep[n] = ::min(static_cast<int64_t>(count), max_keep);
+}
+
 // boxes [n_rows, W] (layout: box3d::Layout; W = 7, 5, 5, 3), order [n] int64 (rows of boxes in
 // visiting order), workspace int64 [box3d_nms_workspace_ints(n)], keep int64 [n + 1]: keep[0 .. K)
 // = the kept rows of boxes in visiting order, keep[n] = the kept count K (rows first, so the
@@ -366,7 +526,10 @@ void nms(TensorView boxes, TensorView order, TensorView workspace, TensorView ke
   unsigned int* list_size = reinterpret_cast<unsigned int*>(per_tile);
   Word* tile_kept = reinterpret_cast<Word*>(per_tile + tiles);
   int64_t* tile_base = per_tile + 2 * tiles;
-  launch_zero(list_size, tiles * static_cast<int64_t>(sizeof(unsigned int)), device_id, st,
+  // list_size[tiles]: fixed_point_kernel's fallback flag (the per-tile words have room: the
+  // sizes use half of them)
+  unsigned int* fallback = tiles <= kFixedMaxTiles ? list_size + tiles : nullptr;
+  launch_zero(list_size, (tiles + 1) * static_cast<int64_t>(sizeof(unsigned int)), device_id, st,
               "box3d_nms fill (list sizes)");
   dispatch_float(boxes, "boxes", [&](auto tag) {
     using T = decltype(tag);
@@ -380,10 +543,17 @@ void nms(TensorView boxes, TensorView order, TensorView workspace, TensorView ke
     dispatch_int<kIoU3D, kRotatedIoU, kNormal, kCircle>(static_cast<int>(kind), launch);
     check_launch("box3d_nms mask_kernel");
   });
+  const int64_t keep_limit = max_keep > 0 ? max_keep : n;
+  if (fallback != nullptr) {
+    fixed_point_kernel<<<1, kFixedThreads, 0, st>>>(lists, list_size, data_of<const int64_t>(order),
+                                                    tile_kept, tile_base, data_of<int64_t>(keep),
+                                                    fallback, n, keep_limit);
+    check_launch("box3d_nms fixed_point_kernel");
+  }
   const size_t shared = static_cast<size_t>(tiles) * sizeof(Word);
   reduce_kernel<<<1, kReduceThreads, shared, st>>>(lists, list_size, data_of<const int64_t>(order),
-                                                   tile_kept, tile_base, data_of<int64_t>(keep), n,
-                                                   max_keep > 0 ? max_keep : n);
+                                                   tile_kept, tile_base, data_of<int64_t>(keep),
+                                                   fallback, n, keep_limit);
   check_launch("box3d_nms reduce_kernel");
 }
 

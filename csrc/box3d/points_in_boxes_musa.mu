@@ -9,10 +9,13 @@
 //
 // part: one thread per point; the batch's boxes pass through shared memory in tiles (cos / sin
 // once per box and block), each thread stops at its first hit and the block stops when all its
-// points have one. all: a block owns a tile of up to 64 boxes and a chunk of points; threads
-// are laid out so that consecutive threads write consecutive int32 of out (the output, 4*M*T
-// bytes, is the whole cost at 300k x 200). No host synchronisation; any B (grid-stride over
-// batches), any M and T up to 2^31 - 1.
+// points have one. all (the output, 4*M*T bytes, is the whole cost: 240 MB at 300k x 200):
+// up to kFlatBoxes boxes per batch, a block owns 128 points and ALL boxes (in shared memory),
+// so its output is one contiguous range of int32 that its threads write as 16-byte words,
+// consecutive threads on consecutive words, each word's four values computed first (memset
+// store pattern); more boxes: a block owns a tile of 64 boxes and a chunk of points and
+// consecutive threads write consecutive int32 of each point's row. No host synchronisation;
+// any B (grid-stride over batches), any M and T up to 2^31 - 1.
 #include <tvm/ffi/function.h>
 
 #include <algorithm>
@@ -36,7 +39,10 @@ constexpr int kThreads = 256;
 constexpr int kPartBoxTile = 256;  // boxes per shared tile (36 bytes each: 9 KB)
 constexpr int kAllBoxTile = 64;    // boxes per block of the all kernel
 constexpr int kAllPoints = 128;    // points per block of the all kernel
-constexpr int kMaxGridY = 65535;   // batches per launch row (grid-stride beyond)
+// boxes per batch the flat all kernel keeps in shared memory (36 B each: 18 KB; with the points
+// and the bounds' scratch 24 KB, under the 28 KB portable limit)
+constexpr int kFlatBoxes = 512;
+constexpr int kMaxGridY = 65535;  // batches per launch row (grid-stride beyond)
 constexpr int64_t kMaxCount = INT_MAX;
 MUSPACE_LIMIT(points_in_boxes, max_points, kMaxCount);
 MUSPACE_LIMIT(points_in_boxes, max_boxes, kMaxCount);
@@ -179,6 +185,76 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// all, n_boxes <= kFlatBoxes: the block's output out[b, m0 : m0 + np, :] is the contiguous
+// range [e0, e0 + np * n_boxes) of int32; its 16-byte words go to consecutive threads (4 values
+// each, computed before the one vector store), the elements before the first and after the
+// last whole word (misalign: the int32 offset of out mod 4) are stored one by one.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    all_flat_kernel(const T* __restrict__ points, const T* __restrict__ boxes,
+                    int* __restrict__ out, int batches, int n_points, int n_boxes, int misalign) {
+  __shared__ PointBox s_box[kFlatBoxes];
+  __shared__ unsigned int s_near[kFlatBoxes / 32];  // boxes the block's bounds may hit
+  __shared__ float s_pt[kAllPoints * 3];
+  __shared__ float s_red[4][kThreads];
+  const int tid = threadIdx.x;
+  const int m0 = blockIdx.x * kAllPoints;
+  const int np = min(kAllPoints, n_points - m0);
+  const int len = np * n_boxes;  // <= 128 * 512
+  // a thread's next word is 4 * kThreads values on: step whole rows and step_t boxes
+  const int step_pt = 4 * kThreads / n_boxes;
+  const int step_t = 4 * kThreads - step_pt * n_boxes;
+  for (int b = blockIdx.y; b < batches; b += gridDim.y) {
+    __syncthreads();  // the previous batch's boxes, points and flags are consumed
+    if (tid < kFlatBoxes / 32) s_near[tid] = 0;
+    const T* p = points + (static_cast<int64_t>(b) * n_points + m0) * 3;
+    for (int i = tid; i < np * 3; i += kThreads) s_pt[i] = to_float(p[i]);
+    __syncthreads();
+    float lo[2], hi[2];
+    block_bounds(tid < np, tid < np ? s_pt[tid * 3] : 0.0f, tid < np ? s_pt[tid * 3 + 1] : 0.0f,
+                 s_red, lo, hi);
+    for (int k = tid; k < n_boxes; k += kThreads) {
+      s_box[k] = load_point_box(boxes, static_cast<int64_t>(b) * n_boxes + k);
+      if (!box_misses(s_box[k], lo, hi)) atomicOr(s_near + k / 32, 1u << (k % 32));
+    }
+    __syncthreads();
+    // ~4 in 5 (box, block) pairs of a frame miss: their values are a flag test, no box load
+    auto value = [&](int pt, int t) -> int {
+      if (!((s_near[t >> 5] >> (t & 31)) & 1u)) return 0;
+      return point_in_box(s_box[t], s_pt[pt * 3], s_pt[pt * 3 + 1], s_pt[pt * 3 + 2]) ? 1 : 0;
+    };
+    const int64_t e0 = (static_cast<int64_t>(b) * n_points + m0) * n_boxes;
+    int* o = out + e0;
+    const int head = min(len, (4 - static_cast<int>((e0 + misalign) & 3)) & 3);
+    const int words = (len - head) / 4;
+    const int tail = head + words * 4;
+    if (tid < head) o[tid] = value(tid / n_boxes, tid % n_boxes);
+    if (tid < len - tail) o[tail + tid] = value((tail + tid) / n_boxes, (tail + tid) % n_boxes);
+    int4* body = reinterpret_cast<int4*>(o + head);
+    int pt = (head + 4 * tid) / n_boxes;
+    int t = head + 4 * tid - pt * n_boxes;
+    for (int w = tid; w < words; w += kThreads) {
+      int v[4];
+      int qt = t, qpt = pt;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        v[u] = value(qpt, qt);
+        if (++qt == n_boxes) {
+          qt = 0;
+          ++qpt;
+        }
+      }
+      body[w] = make_int4(v[0], v[1], v[2], v[3]);
+      pt += step_pt;
+      t += step_t;
+      if (t >= n_boxes) {
+        t -= n_boxes;
+        ++pt;
+      }
+    }
+  }
+}
+
 struct Shapes {
   int batches, n_points, n_boxes;
 };
@@ -231,6 +307,18 @@ void all_forward(TensorView points, TensorView boxes, TensorView out, int64_t st
   const int device_id = points.device().device_id;
   DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
+  if (s.n_boxes <= kFlatBoxes) {
+    const int misalign = static_cast<int>((reinterpret_cast<uintptr_t>(data_of<int>(out)) / 4) & 3);
+    const dim3 grid((s.n_points + kAllPoints - 1) / kAllPoints, std::min(s.batches, kMaxGridY));
+    dispatch_float(points, "points", [&](auto tag) {
+      using T = decltype(tag);
+      all_flat_kernel<T><<<grid, kThreads, 0, st>>>(data_of<const T>(points),
+                                                    data_of<const T>(boxes), data_of<int>(out),
+                                                    s.batches, s.n_points, s.n_boxes, misalign);
+      check_launch("points_in_boxes all_flat_kernel");
+    });
+    return;
+  }
   const int64_t box_tiles = (static_cast<int64_t>(s.n_boxes) + kAllBoxTile - 1) / kAllBoxTile;
   if (box_tiles > kMaxGridY) {
     TVM_FFI_THROW(ValueError) << s.n_boxes << " boxes per batch exceed the all kernel's "

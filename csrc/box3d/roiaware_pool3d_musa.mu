@@ -20,8 +20,9 @@
 //          cell for up to 32 points (insertion sort in place), one block per larger cell (those
 //          are listed on the device): bitonic sort in shared memory, after a binary search of
 //          the cut-off index for slices above 2048 points.
-// pool / backward: one thread per (cell, channel), consecutive threads on consecutive channels;
-// the backward recomputes the max's argmax from the slice and adds with float32 atomics into a
+// pool: one thread per (cell, channel), consecutive threads on consecutive channels. backward:
+// one thread per (cell, 4 channels) (C % 4 == 0, else per channel), an empty cell stops after
+// its count; it recomputes the max's argmax from the slice and adds with float32 atomics into a
 // float32 buffer (mmcv's atomics), or 1/count of the gradient per point for avg.
 // mmcv walks every point with one thread per RoI (76.7 ms at 128 RoIs x 300k points).
 #include <tvm/ffi/function.h>
@@ -38,6 +39,7 @@
 #include "dispatch.muh"
 #include "gpu_compat.muh"
 #include "launch.muh"
+#include "vector_atomics.muh"
 
 namespace muspace {
 namespace box3d {
@@ -321,33 +323,91 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, typename I>
+// One thread per (cell, group of kVec channels): kVec = 4 when C % 4 == 0 and grad_in is 16-byte
+// aligned (avg: one 16-byte RED per point), else 1. The cell's count and start are loaded
+// first and an empty cell (most cells of an RoI) stops there, before its grad_out is read; a
+// thread walks its slice once for all kVec channels (kVec independent argmax / sums), so each
+// list entry is loaded once per group instead of once per channel.
+template <typename T, typename I, int kVec>
 __global__ void __launch_bounds__(kThreads)
     backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ feat,
                     const int64_t* __restrict__ cell_start, const int* __restrict__ cell_count,
                     const int* __restrict__ point_list, int64_t list_len,
-                    float* __restrict__ grad_in, I n_out, I channels, int n_points, bool avg) {
-  for (I e = static_cast<I>(global_thread()); e < n_out; e += static_cast<I>(global_threads())) {
-    const float g = to_float(grad_out[e]);
-    if (g == 0.0f) continue;  // adds nothing
-    const I cell = e / channels;
-    const I c = e - cell * channels;
-    const Slice sl(point_list, cell_start[cell], list_len, cell_count[cell], n_points);
+                    float* __restrict__ grad_in, I n_groups, I channels, int n_points, bool avg) {
+  // 4 channels x 4 entries = 16 feature loads in flight (8 entries: 78 registers, 3 blocks per
+  // SM; most cells of an RoI hold a few points, so occupancy matters more than depth)
+  constexpr int kDepth = kVec == 1 ? kGather : 4;
+  const I groups_per_cell = channels / kVec;
+  for (I e = static_cast<I>(global_thread()); e < n_groups; e += static_cast<I>(global_threads())) {
+    const I cell = e / groups_per_cell;
+    const I c0 = (e - cell * groups_per_cell) * kVec;
+    const int64_t start = cell_start[cell];  // loaded together with the count
+    const int count = cell_count[cell];
+    if (count <= 0) continue;  // an empty cell: nothing to add
+    const Slice sl(point_list, start, list_len, count, n_points);
+    // grad_out is not branched on before the walk: its load and the first list entries' are
+    // in flight together; a zero gradient only skips the atomics (it adds nothing)
+    float g[kVec];
+    bool any = false;
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      g[u] = to_float(grad_out[cell * channels + c0 + u]);
+      any |= g[u] != 0.0f;
+    }
     if (avg) {
-      const float gv = mul(g, div(1.0f, fmaxf(static_cast<float>(sl.count), 1.0f)));
-      for (int k = sl.k0; k < sl.k1; k += kGather) {
-        int p[kGather];
+      const float inv = div(1.0f, fmaxf(static_cast<float>(sl.count), 1.0f));
+      float gv[kVec];
 #pragma unroll
-        for (int u = 0; u < kGather; ++u) p[u] = k + u < sl.k1 ? sl.point(k + u) : -1;
+      for (int u = 0; u < kVec; ++u) gv[u] = mul(g[u], inv);
+      for (int k = sl.k0; k < sl.k1; k += kDepth) {
+        int p[kDepth];
 #pragma unroll
-        for (int u = 0; u < kGather; ++u) {
-          if (p[u] >= 0) atomicAdd(&grad_in[static_cast<int64_t>(p[u]) * channels + c], gv);
+        for (int q = 0; q < kDepth; ++q) p[q] = k + q < sl.k1 ? sl.point(k + q) : -1;
+#pragma unroll
+        for (int q = 0; q < kDepth; ++q) {
+          if (p[q] >= 0 && any) {
+            atomic_add_scaled<kVec>(grad_in + static_cast<int64_t>(p[q]) * channels + c0, 1.0f, gv);
+          }
         }
       }
     } else {
-      float best;
-      const int arg = slice_argmax(sl, feat, channels, c, best);
-      if (arg >= 0) atomicAdd(&grad_in[static_cast<int64_t>(arg) * channels + c], g);
+      float top[kVec];
+      int arg[kVec];
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) {
+        top[u] = -INFINITY;  // mmcv's -1e50 in float
+        arg[u] = -1;
+      }
+      for (int k = sl.k0; k < sl.k1; k += kDepth) {
+        int p[kDepth];
+#pragma unroll
+        for (int q = 0; q < kDepth; ++q) p[q] = k + q < sl.k1 ? sl.point(k + q) : -1;
+        float v[kDepth][kVec];
+#pragma unroll
+        for (int q = 0; q < kDepth; ++q) {
+#pragma unroll
+          for (int u = 0; u < kVec; ++u) {
+            v[q][u] =
+                p[q] >= 0 ? to_float(feat[static_cast<int64_t>(p[q]) * channels + c0 + u]) : 0.0f;
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < kDepth; ++q) {
+#pragma unroll
+          for (int u = 0; u < kVec; ++u) {
+            if (p[q] >= 0 && v[q][u] > top[u]) {  // first maximum, as slice_argmax
+              top[u] = v[q][u];
+              arg[u] = p[q];
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) {
+        if (arg[u] >= 0 && g[u] != 0.0f) {
+          atomicAdd(&grad_in[static_cast<int64_t>(arg[u]) * channels + c0 + u], g[u]);
+        }
+      }
     }
   }
 }
@@ -571,16 +631,26 @@ void backward(TensorView grad_out, TensorView pts_feature, TensorView cell_start
   const int device_id = pts_feature.device().device_id;
   DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
-  const int grid = grid_for(n_out, kThreads, device_id, kPoolBlocksPerSM);
+  const bool vec4 = channels % 4 == 0 && is_aligned(grad_in, 16);
+  const int64_t n_groups = vec4 ? n_out / 4 : n_out;
+  // one thread per group: a group's work is a few dependent loads, so every resident thread
+  // should hold one (a grid-stride loop of ~20 groups per thread was ~20 chains in a row)
+  const int grid = grid_for(n_groups, kThreads, device_id, 0);
   dispatch_float(pts_feature, "pts_feature", [&](auto tag) {
     using T = decltype(tag);
-    dispatch_index_width(n_out, n_points, channels, [&](auto i_tag) {
+    // + kThreads: the grid-stride step of up to n_groups + kThreads - 1 threads stays in range
+    dispatch_index_width(n_out + kThreads, n_points, channels, [&](auto i_tag) {
       using I = decltype(i_tag);
-      backward_kernel<T, I><<<grid, kThreads, 0, st>>>(
-          data_of<const T>(grad_out), data_of<const T>(pts_feature),
-          data_of<const int64_t>(cell_start), data_of<const int>(cell_count),
-          data_of<const int>(point_list), point_list.size(0), data_of<float>(grad_in),
-          static_cast<I>(n_out), static_cast<I>(channels), static_cast<int>(n_points), mode == 1);
+      auto launch = [&](auto vec_tag) {
+        constexpr int kVec = decltype(vec_tag)::value;
+        backward_kernel<T, I, kVec><<<grid, kThreads, 0, st>>>(
+            data_of<const T>(grad_out), data_of<const T>(pts_feature),
+            data_of<const int64_t>(cell_start), data_of<const int>(cell_count),
+            data_of<const int>(point_list), point_list.size(0), data_of<float>(grad_in),
+            static_cast<I>(n_groups), static_cast<I>(channels), static_cast<int>(n_points),
+            mode == 1);
+      };
+      dispatch_int<1, 4>(vec4 ? 4 : 1, launch);
       check_launch("roiaware_pool3d backward_kernel");
     });
   });

@@ -280,12 +280,38 @@ def _nms3d_impl(kind: int):
     return reference, native_fn
 
 
-def _bev_order(scores, pre_max_size):
-    """mmcv's nms_bev -> nms_rotated visiting order: sorted, cut to pre_max_size, sorted again."""
+def _bev_order(scores, pre_max_size, skip_stable_resort=False):
+    """mmcv's nms_bev -> nms_rotated visiting order: sorted, cut to pre_max_size, sorted again.
+
+    skip_stable_resort: leave out the second sort where it is the identity. scores[order] is
+    already in descending order, so a STABLE sort returns it unchanged. torch's CUDA sort of a
+    slice of <= 4096 elements (sortKeyValueInplace, torch 2.x; this package needs >= 2.4): a
+    bitonic sort (unstable) up to 32 elements, a stable warp merge sort up to 128, a stable
+    radix sort above (builds without the merge sort: the radix sort from 33 on). Their orders
+    agree: NaN first, and the only keys one calls equal and the other orders are -0.0 / +0.0
+    (the radix keys order them, the comparator keeps them in place), so no pair is ordered
+    differently. Above 4096 elements the first sort is another algorithm (CUB's radix keys,
+    with their own NaN and signed-zero order), so only 32 < len(order) and len(scores) <= 4096
+    skip it, on CUDA builds (not ROCm, not torch_musa: other sort kernels)."""
     order = scores.sort(0, descending=True)[1]
     if pre_max_size is not None:
         order = order[:pre_max_size]
+    if skip_stable_resort and _stable_resort_is_identity(scores, order.shape[0]):
+        return order
     return order[scores[order].sort(0, descending=True)[1]]
+
+
+def _stable_resort_is_identity(scores, m: int) -> bool:
+    return (
+        scores.device.type == "cuda"
+        and torch.version.hip is None
+        and _STABLE_SORT_MIN < m
+        and scores.shape[0] <= _SMALL_SORT_MAX
+    )
+
+
+_STABLE_SORT_MIN = 32  # torch's CUDA sort: bitonic (unstable) up to this many elements
+_SMALL_SORT_MAX = 4096  # torch's CUDA sort: sortKeyValueInplace up to this many elements
 
 
 def _nms_bev_reference(boxes, scores, thresh, pre_max_size, post_max_size):
@@ -294,7 +320,7 @@ def _nms_bev_reference(boxes, scores, thresh, pre_max_size, post_max_size):
 
 
 def _nms_bev_native(c, boxes, scores, thresh, pre_max_size, post_max_size):
-    order = _bev_order(scores, pre_max_size)
+    order = _bev_order(scores, pre_max_size, skip_stable_resort=True)
     return run_nms(boxes, order, _box3d.XYXYR, _box3d.ROTATED_IOU, thresh, post_max_size, True)
 
 

@@ -224,6 +224,64 @@ def test_native_one_dense_cluster():
         assert 0 < got.numel() < n
 
 
+def _chain(n, y=0.0):
+    """n LiDAR boxes 4 m x 2 m in a row, 1 m apart along x, scores falling along the row: IoU
+    0.6 with the next box, 1/3 with the one after. At threshold 0.5 each box suppresses only
+    the next, so the greedy result is every other box and decides one box per step (the
+    fixed point of the native NMS needs one round per box of the row)."""
+    boxes = torch.zeros(n, 7)
+    boxes[:, 0] = torch.arange(n).float()
+    boxes[:, 1] = y
+    boxes[:, 3:6] = torch.tensor([4.0, 2.0, 1.5])
+    return boxes
+
+
+def test_native_suppression_chains():
+    """Chains short enough for the fixed point (20 boxes: ~20 rounds, under the 32-round cap)
+    and too long for it (300 boxes: the tile walk takes over), among detections, with and
+    without caps; native == reference == every other box of each chain."""
+    device = native_gpu_device()
+    dets, det_scores = box_inputs.detections(1000, seed=21, extent=40.0)
+    for n_chain in (20, 31, 33, 300):
+        chain = _chain(n_chain, y=500.0)  # far from the detections
+        boxes = torch.cat([dets, chain]).to(device)
+        scores = torch.cat([det_scores, 2.0 + torch.arange(n_chain, 0, -1).float()]).to(device)
+        got = nms3d(boxes, scores, 0.5, backend="native")
+        assert torch.equal(got, nms3d(boxes, scores, 0.5, backend="reference"))
+        first = got[: (n_chain + 1) // 2].cpu()
+        assert torch.equal(first, 1000 + torch.arange(0, n_chain, 2))
+        bev = box_inputs.xyxyr(boxes)
+        for pre, post in ((None, 7), (600, 100), (None, None)):
+            args = (bev, scores, 0.5, pre, post)
+            assert torch.equal(
+                nms_bev(*args, backend="native"), nms_bev(*args, backend="reference")
+            )
+
+
+@pytest.mark.parametrize("n", [20, 33, 100, 129, 700, 4096, 5000])
+def test_native_nms_bev_order_with_ties_and_signed_zeros(n):
+    """nms_bev's native path leaves out mmcv's second sort where torch's sort is stable (more
+    than 32 boxes visited, at most 4096 scores): the order must stay the double sort's, with
+    heavily tied scores, -0.0 next to +0.0 and NaN scores (both signs), for every pre_max_size around the
+    sort algorithms' size boundaries."""
+    from mu_space.ops import iou3d
+
+    device = native_gpu_device()
+    boxes, _ = box_inputs.detections(n, seed=n + 3)
+    bev = box_inputs.xyxyr(boxes).to(device)
+    tied = box_inputs.tied_scores(n, seed=n, levels=5) - 0.4  # negative, zero and positive ties
+    tied[::7] = 0.0
+    tied[::11] = -0.0
+    tied[5::97] = math.nan
+    tied[6::89] = -math.nan  # sign bit set: radix keys and comparators must agree on it too
+    tied = tied.to(device)
+    for pre in (None, 31, 32, 33, 128, 129, 500, 4096):
+        want = iou3d._bev_order(tied, pre)
+        assert torch.equal(iou3d._bev_order(tied, pre, skip_stable_resort=True), want), pre
+        args = (bev, tied, 0.5, pre, 200)
+        assert torch.equal(nms_bev(*args, backend="native"), nms_bev(*args, backend="reference"))
+
+
 def _twin_grid(n):
     """n LiDAR boxes in twins: box k + n/2 repeats box k (IoU 1), the twins 10 m apart on a
     grid (no other overlap); scores n, n - 1, ..., 1 (exact, distinct), so the visiting order
@@ -395,6 +453,87 @@ def test_kernel_model_on_detections():
     for max_keep in (None, 83):
         got = [int(order[p]) for p in _kernel_model(sup, max_keep)]
         assert got == want[: max_keep or len(want)]
+
+
+def _fixed_point_model(sup, max_keep=None, max_rounds=32):
+    """fixed_point_kernel step by step on sup: the entries of every row tile's list (in list
+    order, flat), rounds over three removed-word buffers (read r % 3, write (r + 1) % 3) from
+    "nothing removed" until a round changes no word, then the per-tile prefix of the kept counts
+    with the max_keep cut. Returns (kept positions or None when max_rounds pass without
+    convergence, the rounds run)."""
+    n = sup.shape[0]
+    tiles = (n + _TILE - 1) // _TILE
+    entries = []  # (bits, col, row, row tile): the kernel's flat index order
+    for r in range(tiles):
+        for c in range(r, tiles):
+            for row in range(min(_TILE, n - r * _TILE)):
+                i = r * _TILE + row
+                bits = 0
+                for b in range(row + 1 if c == r else 0, min(_TILE, n - c * _TILE)):
+                    if sup[i, c * _TILE + b]:
+                        bits |= 1 << b
+                if bits:
+                    entries.append((bits, c, row, r))
+    limit = n if max_keep is None or max_keep <= 0 else max_keep
+    buf = [[0] * tiles, [0] * tiles, [None] * tiles]  # the third: stale until cleared
+    final = None
+    for rnd in range(max_rounds):
+        rd, wr, cl = rnd % 3, (rnd + 1) % 3, (rnd + 2) % 3
+        buf[cl] = [0] * tiles
+        for bits, col, row, tile in entries:
+            if not (buf[rd][tile] >> row) & 1:
+                buf[wr][col] |= bits
+        if buf[wr] == buf[rd]:
+            final = wr
+            break
+    if final is None:
+        return None, max_rounds
+    keep, base = [], 0
+    for k in range(tiles):
+        rows = min(_TILE, n - k * _TILE)
+        kept = ((1 << rows) - 1) & ~buf[final][k]
+        for b in range(rows):
+            if (kept >> b) & 1 and base < limit:
+                keep.append(k * _TILE + b)
+                base += 1
+    return keep, rnd + 1
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 200, 333])
+@pytest.mark.parametrize("density", [0.0, 0.003, 0.05, 0.5, 1.0])
+def test_fixed_point_model_is_the_greedy_result(n, density):
+    sup = _random_sup(n, density, seed=n + 1)
+    for max_keep in (None, 1, 7, 65):
+        got, rounds = _fixed_point_model(sup, max_keep, max_rounds=n + 2)
+        assert got == _greedy_positions(sup, max_keep), rounds
+
+
+def test_fixed_point_model_rounds():
+    """A chain (i suppresses only i + 1) settles one box per round: 300 boxes do not converge in
+    the kernel's 32 rounds (the walk takes over), 20 do; a clique takes two rounds (one to
+    remove all but its first box, one that sees no change); real detections at the benchmark's density (4096 in a 100 m
+    square: here 1024 in 50 m) in a handful."""
+    for n, converges in ((20, True), (300, False)):
+        sup = torch.zeros(n, n, dtype=torch.bool)
+        idx = torch.arange(n - 1)
+        sup[idx, idx + 1] = True
+        got, _ = _fixed_point_model(sup.numpy())
+        assert (got is not None) == converges
+        if converges:
+            assert got == _greedy_positions(sup.numpy())
+    clique = torch.ones(100, 100, dtype=torch.bool).numpy()
+    assert _fixed_point_model(clique) == ([0], 2)
+    boxes, scores = box_inputs.detections(1024, seed=7, extent=25.0)
+    order = scores.sort(0, descending=True)[1]
+    r = _box3d.rects(boxes[order], _box3d.LIDAR7)
+    a = _box3d.Rects(*(t[:, None] for t in r))
+    b = _box3d.Rects(*(t[None, :] for t in r))
+    thr = _box3d.f32_nearest(0.7)
+    sup = _box3d.suppress(_box3d.pair_values(a, b, _box3d.IOU3D), thr, _box3d.IOU3D).numpy()
+    got, rounds = _fixed_point_model(sup)
+    want = nms3d(boxes, scores, 0.7, backend="reference").tolist()
+    assert [int(order[p]) for p in got] == want
+    assert rounds <= 8, rounds
 
 
 def test_native_workspace_size():

@@ -241,3 +241,20 @@ def test_native_scan_order_block_cull():
         p, b = pts.to(dtype), bxs.to(dtype)
         for fn in (points_in_boxes_part, points_in_boxes_all):
             assert torch.equal(fn(p, b, backend="native"), fn(p, b, backend="reference"))
+
+
+@pytest.mark.parametrize("n_boxes", [1, 3, 5, 64, 199, 512, 513])
+def test_native_all_every_box_count(n_boxes):
+    """points_in_boxes_all's flat kernel (<= 512 boxes: a block's output is one contiguous
+    range, stored as 16-byte words with scalar heads and tails where a range does not start or
+    end on a word) and the tiled kernel above it; odd point counts, 3 frames, outputs poisoned
+    first."""
+    device = native_gpu_device()
+    pts, bxs = box_inputs.lidar_frame(4001, n_boxes, batch=3, seed=n_boxes)
+    pts, bxs = pts.to(device), bxs.to(device)
+    want = points_in_boxes_all(pts, bxs, backend="reference")
+    torch.full((3, 4001, n_boxes), 7, dtype=torch.int32, device=device)  # poison the allocator
+    got = points_in_boxes_all(pts, bxs, backend="native")
+    assert torch.equal(got, want)
+    if n_boxes >= 64:
+        assert want.sum() > 0
