@@ -17,7 +17,9 @@
 //   round) and with them owns the cells [cell of its first run, cell of the next block's first
 //   run).
 // - Inside the block, "slots" of G lanes (G = channel vectors per point) each take an equal,
-//   contiguous share of the block's points and sum runs in registers. A run cut by slot
+//   contiguous share of the block's points and sum runs in registers. A point's indices, bounds
+//   checks and depth weight are loaded once per slot (by one of its lanes, into shared memory a
+//   batch ahead), not by each of its G lanes; float32 rows are read as 32-byte vectors. A run cut by slot
 //   boundaries is finished by the slot holding its first point, which adds the later slots'
 //   partial sums in a fixed order: the result is bit-identical from run to run.
 // - The output is channels-first while feat is channels-last, so finished cells go to a
@@ -52,6 +54,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <type_traits>
 
@@ -71,12 +74,22 @@ namespace {
 
 constexpr int kThreads = 256;  // every kernel of this file
 static_assert(kThreads % kWarpSize == 0, "blocks are whole warps");
-// Launch bounds (ptxas -v, sm_90a): the forward fits 64 registers without spill (1024 threads per
-// SM; the 16-bit deterministic grad_feat kernel spills 24 bytes); the backward's point kernel
-// needs 80 (768 threads per SM).
+// Launch bounds (ptxas -v, sm_90a, nvcc 13.0): the forward fits 64 registers (1024 threads per
+// SM; its 16-bit 8-wide variants spill 8 bytes), 80 with 32-byte float32 vectors (768 threads,
+// 8 bytes of spill); the backward's point kernel needs 80 (768 threads per SM).
 constexpr int kMinBlocksPerSM = 4;
 constexpr int kMinBlocksPerSMBackward = 3;
-constexpr int kUnroll = 4;              // points in flight per slot (each a 16-byte row vector)
+// The forward's 32-byte float32 vectors (4 points in flight: 32 registers of row data) get the
+// register room of 3 blocks per SM.
+template <typename T, int VEC>
+constexpr int min_blocks_per_sm() {
+  return VEC * static_cast<int>(sizeof(T)) > 16 ? 3 : kMinBlocksPerSM;
+}
+constexpr int kUnroll = 4;  // points in flight per slot (each one row vector)
+// pool_runs stages each batch's point records (key, row, weight) in shared memory, kUnroll per
+// slot: at most kThreads / kUnroll slots per block (G < kUnroll lanes per point leaves threads
+// idle; only C <= 3 vectors).
+constexpr int kMaxSlots = kThreads / kUnroll;
 constexpr int kMaxLanes = 32;           // channel vectors per point in one channel tile (grid.y)
 constexpr int kSmemBudget = 26 * 1024;  // static shared memory per block (rule: < 28 KB)
 constexpr int kSmemMisc = 1024;         // flags, bitmap, scalars
@@ -102,10 +115,19 @@ MUSPACE_LIMIT(bev_pool_v2, max_channels, kMaxChannels);
 constexpr int64_t kMaxCells = INT_MAX;  // B*Z*Y*X: ranks_bev is int32
 MUSPACE_LIMIT(bev_pool_v2, max_cells, kMaxCells);
 
-// Shared-memory window (elements of T) next to the slots' float32 partial sums.
+// One batch of point records per slot, double-buffered (pool_runs).
+struct PointBatch {
+  int key[2][kMaxSlots * kUnroll];
+  int row[2][kMaxSlots * kUnroll];  // -1: a bad point (nothing gathered)
+  float weight[2][kMaxSlots * kUnroll];
+};
+
+// Shared-memory window (elements of T) next to the slots' float32 partial sums and the point
+// records.
 template <typename T, int VEC>
 constexpr int stage_elems() {
-  return (kSmemBudget - kSmemMisc - kThreads * VEC * static_cast<int>(sizeof(float))) /
+  return (kSmemBudget - kSmemMisc - kThreads * VEC * static_cast<int>(sizeof(float)) -
+          static_cast<int>(sizeof(PointBatch))) /
          static_cast<int>(sizeof(T));
 }
 
@@ -120,9 +142,10 @@ __device__ __forceinline__ int clamp_key(int key, int n_keys) { return min(max(k
 
 // ------------------------------------------------------------------------- point accessors
 // A "gather" describes one segmented sum: key(j) is the segment key of point j (the points are
-// sorted by it), index() loads the row and weight indices of point j, gather() its weight and
-// row vector (zero for a bad point: an index out of range). A point whose key is out of range is
-// still gathered (its segment is dropped by the sink): only bad input has such keys.
+// sorted by it), point(j) its record (key, row, weight; row -1 for a bad point: an index out of
+// range, which contributes nothing), row_vector() VEC elements of a row. A point whose key is
+// out of range is still gathered (its segment is dropped by the sink): only bad input has such
+// keys.
 
 // Forward: key = ranks_bev, row = feat[ranks_feat], weight = depth[ranks_depth] (or 1).
 template <typename T, int VEC, bool kHasDepth>
@@ -138,18 +161,21 @@ struct FeatGather {
   int n_keys;
 
   __device__ __forceinline__ int key(int j) const { return keys[j]; }
-  __device__ __forceinline__ void index(int j, int& row, int& widx) const {
+  __device__ __forceinline__ void point(int j, int& key, int& row, float& w) const {
+    key = keys[j];
     row = ranks_feat[j];
-    widx = kHasDepth ? ranks_depth[j] : 0;
-  }
-  __device__ __forceinline__ void gather(int row, int widx, int c, float& w, Vec<T, VEC>& v) const {
-    w = 0.0f;
-    v = Vec<T, VEC>::zero();
+    const int widx = kHasDepth ? ranks_depth[j] : 0;
     const bool ok = static_cast<unsigned>(row) < static_cast<unsigned>(n_rows) &&
                     (!kHasDepth || static_cast<unsigned>(widx) < static_cast<unsigned>(n_depth));
-    if (!ok) return;  // a bad point contributes nothing
+    w = 0.0f;
+    if (!ok) {
+      row = -1;
+      return;
+    }
     w = kHasDepth ? to_float(depth[widx]) : 1.0f;
-    v = Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
+  }
+  __device__ __forceinline__ Vec<T, VEC> row_vector(int row, int c) const {
+    return Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
   }
 };
 
@@ -173,22 +199,23 @@ struct GradRowGather {
     const int o = order[j];
     return static_cast<unsigned>(o) < static_cast<unsigned>(n_points) ? ranks_feat[o] : -1;
   }
-  __device__ __forceinline__ void index(int j, int& row, int& widx) const {
+  __device__ __forceinline__ void point(int j, int& key, int& row, float& w) const {
     const int o = order[j];
+    key = -1;
     row = -1;
-    widx = -1;
-    if (static_cast<unsigned>(o) >= static_cast<unsigned>(n_points)) return;
-    row = ranks_bev[o];
-    widx = kHasDepth ? ranks_depth[o] : 0;
-  }
-  __device__ __forceinline__ void gather(int row, int widx, int c, float& w, Vec<T, VEC>& v) const {
     w = 0.0f;
-    v = Vec<T, VEC>::zero();
-    const bool ok = static_cast<unsigned>(row) < static_cast<unsigned>(n_cells) &&
+    if (static_cast<unsigned>(o) >= static_cast<unsigned>(n_points)) return;
+    key = ranks_feat[o];
+    const int cell = ranks_bev[o];
+    const int widx = kHasDepth ? ranks_depth[o] : 0;
+    const bool ok = static_cast<unsigned>(cell) < static_cast<unsigned>(n_cells) &&
                     (!kHasDepth || static_cast<unsigned>(widx) < static_cast<unsigned>(n_depth));
     if (!ok) return;
+    row = cell;
     w = kHasDepth ? to_float(depth[widx]) : 1.0f;
-    v = Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
+  }
+  __device__ __forceinline__ Vec<T, VEC> row_vector(int row, int c) const {
+    return Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
   }
 };
 
@@ -331,13 +358,17 @@ __device__ void find_owned_runs(const Gather& g, int n, int p0, int p1, int* s_q
 // slot holding its FIRST point (its last segment is still in `acc` after the loop): the later
 // slots leave their first segment's sum in s_part the moment it ends, and after the barrier the
 // owner adds those sums nearest first (a fixed order: bit-identical reruns).
-// Contains one __syncthreads: every thread of the block must call it.
+// Point records: lane u of a slot loads point u of the slot's next batch (indices, bounds
+// checks, depth weight) into s_pts while the slot consumes the current batch, so each point's
+// index work is done once instead of by each of its G lanes (that repeated work bound the
+// earlier version: docs/operators/bev_pool_v2.md).
+// Contains barriers: every thread of the block must call it.
 template <typename T, int VEC, class Gather, class Sink>
 __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, int G, int c_begin,
-                          float* s_part, unsigned char* s_flags) {
+                          float* s_part, unsigned char* s_flags, PointBatch* s_pts) {
   constexpr unsigned char kSingle = 1, kOpenEnd = 2;
   const int tid = threadIdx.x;
-  const int S = kThreads / G;  // slots
+  const int S = min(kThreads / G, kMaxSlots);  // slots
   const int slot = tid / G;
   const int lane = tid - slot * G;
   const int lane_c = lane * VEC;       // channel offset within the tile (what sinks take)
@@ -347,28 +378,54 @@ __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, i
   const int a = q0 + min(slot * K, n_own);
   const int b = min(a + K, q1);
   const bool active = slot < S && a < b;
+  const int batches = (K + kUnroll - 1) / kUnroll;  // block-uniform (barriers inside)
+
+  // Lane u < kUnroll of a slot stages point u of each batch of its slot (lanes u, u + G, ...
+  // when G < kUnroll: only C <= 3 vectors). Records go to entry slot * kUnroll + u.
+  int next_key = 0, next_row = -1;
+  float next_w = 0.0f;
+  auto fetch = [&](int batch, int u) -> bool {
+    const int j = a + batch * kUnroll + u;
+    if (!active || u >= kUnroll || j >= b) return false;
+    gat.point(j, next_key, next_row, next_w);
+    return true;
+  };
+  auto put = [&](int buf, int u) {
+    const int e = slot * kUnroll + u;
+    s_pts->key[buf][e] = next_key;
+    s_pts->row[buf][e] = next_row;
+    s_pts->weight[buf][e] = next_w;
+  };
+  auto stage_rest = [&](int batch, int buf) {  // the further points of a slot with G < kUnroll
+    for (int u = lane + G; u < kUnroll; u += G) {
+      if (fetch(batch, u)) put(buf, u);
+    }
+  };
 
   float acc[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
   int cur = 0;
   bool owner_pending = false;
-
+  bool first_open = false, seg_first = true;
+  int key_after = 0;
   if (active) {
-    // Row and weight indices of the next batch are prefetched; keys are loaded with the rows.
-    int nr[kUnroll], nw[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      nr[u] = nw[u] = 0;
-      if (a + u < b) gat.index(a + u, nr[u], nw[u]);
-    }
     const int key_before = a > q0 ? gat.key(a - 1) : 0;
-    const int key_after = b < q1 ? gat.key(b) : 0;
+    key_after = b < q1 ? gat.key(b) : 0;
     cur = gat.key(a);
-    const bool first_open = a > q0 && key_before == cur;  // continues a run of earlier slots
-    bool seg_first = true;
+    first_open = a > q0 && key_before == cur;  // continues a run of earlier slots
+  }
+  if (fetch(0, lane)) put(0, lane);
+  stage_rest(0, 0);
+  __syncthreads();
 
-    for (int i = a; i < b; i += kUnroll) {
+  for (int t = 0; t < batches; ++t) {
+    const int buf = t & 1;
+    // The next batch's records are requested before this batch's rows are consumed (one memory
+    // round trip per batch); they go to the other buffer after the rows are summed.
+    const bool staged_next = t + 1 < batches && fetch(t + 1, lane);
+    if (active) {
+      const int i = a + t * kUnroll;
       int ck[kUnroll];
       float w[kUnroll];
       Vec<T, VEC> v[kUnroll];
@@ -378,15 +435,12 @@ __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, i
         w[u] = 0.0f;
         v[u] = Vec<T, VEC>::zero();
         if (i + u < b) {
-          ck[u] = gat.key(i + u);
-          gat.gather(nr[u], nw[u], row_c, w[u], v[u]);
+          const int e = slot * kUnroll + u;
+          ck[u] = s_pts->key[buf][e];
+          const int row = s_pts->row[buf][e];
+          w[u] = s_pts->weight[buf][e];
+          if (row >= 0) v[u] = gat.row_vector(row, row_c);
         }
-      }
-      // The next indices are requested before this batch's rows are consumed (a software
-      // pipeline: one memory round trip per batch instead of two).
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (i + kUnroll + u < b) gat.index(i + kUnroll + u, nr[u], nw[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -408,6 +462,12 @@ __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, i
         for (int e = 0; e < VEC; ++e) acc[e] = fmaf(w[u], f[e], acc[e]);  // w = 0 past b
       }
     }
+    if (staged_next) put(buf ^ 1, lane);
+    if (t + 1 < batches) stage_rest(t + 1, buf ^ 1);
+    __syncthreads();  // this batch read, the next one staged
+  }
+
+  if (active) {
     // The slot's last segment ends at b.
     const bool open_end = b < q1 && key_after == cur;
     if (seg_first && first_open) {  // one segment, continuing an earlier slot's run
@@ -486,12 +546,13 @@ __device__ bool owned_range(const Gather& gat, int n, int points_per_block, int 
 
 // `out` is zero-filled before the launch; the kernel writes the cells that have points.
 template <typename T, int VEC, bool kHasDepth>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm<T, VEC>())
     forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_points,
                    int points_per_block, int channels, int cells_per_batch, int window_cells) {
   __shared__ float s_part[kThreads * VEC];
   alignas(16) __shared__ unsigned char s_stage_raw[stage_elems<T, VEC>() * sizeof(T)];
   __shared__ unsigned char s_flags[kThreads];
+  __shared__ PointBatch s_pts;
   __shared__ int s_q[6];
   const int tid = threadIdx.x;
   // The window starts as zeros (its empty cells are flushed with the rest); sizes do not
@@ -515,7 +576,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   sink.channels = channels;
   sink.c_begin = blockIdx.y * kMaxLanes * VEC;
   sink.tile_c = min(kMaxLanes * VEC, channels - sink.c_begin);
-  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags);
+  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags, &s_pts);
   __syncthreads();
   sink.flush();
 }
@@ -527,6 +588,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   __shared__ float s_part[kThreads * VEC];
   __shared__ unsigned int s_bitmap[kBitmapWords];
   __shared__ unsigned char s_flags[kThreads];
+  __shared__ PointBatch s_pts;
   __shared__ int s_q[6];
   for (int e = threadIdx.x; e < kBitmapWords; e += kThreads) s_bitmap[e] = 0u;
   int q0, q1, lo, hi;
@@ -540,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   sink.channels = channels;
   sink.c_begin = blockIdx.y * kMaxLanes * VEC;
   sink.tile_c = min(kMaxLanes * VEC, channels - sink.c_begin);
-  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags);
+  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags, &s_pts);
   __syncthreads();
   if (!out_prezeroed) zero_unmarked(gat, sink, q0, q1, hi);
 }
@@ -682,13 +744,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
 
 // ------------------------------------------------------------------------------ host helpers
 
-// Widest vector (16, 8, 4 or 2 bytes) that divides a row and every row pointer's alignment.
-// Instantiated widths: float32 {4, 1}; 16-bit {8, 2, 1} elements.
-int pick_vec(int elem_bytes, int64_t channels, std::initializer_list<const void*> ptrs) {
-  const int candidates_f32[] = {4, 1};
+// Widest vector (16, 8, 4 or 2 bytes; 32 for float32 with `wide`) that divides a row and every
+// row pointer's alignment. Instantiated widths: float32 {8 (forward), 4, 1}; 16-bit {8, 2, 1}
+// elements.
+int pick_vec(int elem_bytes, int64_t channels, std::initializer_list<const void*> ptrs,
+             bool wide = false) {
+  const int candidates_f32[] = {8, 4, 1};
   const int candidates_16[] = {8, 2, 1};
-  const int* cand = elem_bytes == 4 ? candidates_f32 : candidates_16;
-  const int n = elem_bytes == 4 ? 2 : 3;
+  const int* cand = elem_bytes == 4 ? candidates_f32 + (wide ? 0 : 1) : candidates_16;
+  const int n = elem_bytes == 4 ? (wide ? 3 : 2) : 3;
   for (int k = 0; k < n; ++k) {
     const int vec = cand[k];
     bool ok = channels % vec == 0;
@@ -698,10 +762,12 @@ int pick_vec(int elem_bytes, int64_t channels, std::initializer_list<const void*
   return 1;
 }
 
-// f(std::integral_constant<int, VEC>) for a width pick_vec chose.
-template <typename T, class F>
+// f(std::integral_constant<int, VEC>) for a width pick_vec chose (kWide: the forward's set).
+template <typename T, bool kWide = false, class F>
 void dispatch_vec(int vec, F&& f) {
-  if constexpr (sizeof(T) == 4) {
+  if constexpr (sizeof(T) == 4 && kWide) {
+    dispatch_int<8, 4, 1>(vec, f);
+  } else if constexpr (sizeof(T) == 4) {
     dispatch_int<4, 1>(vec, f);
   } else {
     dispatch_int<8, 2, 1>(vec, f);
@@ -731,6 +797,16 @@ int points_per_block_for(int64_t n_points, int64_t n_keys, int window, int lanes
   p = std::min(p, slots * kMaxPointsPerSlot);
   p = std::max(p, slots * kMinPointsPerSlot);
   return static_cast<int>(p);
+}
+
+// float32 forward rows as 32-byte vectors (8 channels per lane; 16-bit types have 8 channels in
+// 16 bytes). MUSPACE_BEV_POOL_V2_VECTOR_BYTES=16 keeps 16 bytes (profiling only).
+bool wide_forward_vectors() {
+  static const bool wide = [] {
+    const char* v = std::getenv("MUSPACE_BEV_POOL_V2_VECTOR_BYTES");
+    return v == nullptr || std::atoi(v) != 16;
+  }();
+  return wide;
 }
 
 int clamp_int(int64_t v) { return static_cast<int>(std::min<int64_t>(v, INT_MAX)); }
@@ -810,15 +886,16 @@ void forward(Optional<TensorView> depth, TensorView feat, Optional<TensorView> r
   const int64_t out_bytes = out.numel() * element_bytes(out);
   if (n == 0) return launch_zero(data_of(out), out_bytes, device_id, s, "bev_pool_v2 fill (out)");
 
-  const int vec = pick_vec(element_bytes(feat), channels, {data_of(feat)});
+  const int vec = pick_vec(element_bytes(feat), channels, {data_of(feat)}, wide_forward_vectors());
   dispatch_float(feat, "feat", [&](auto tag) {
     using T = decltype(tag);
-    dispatch_vec<T>(vec, [&](auto vec_tag) {
+    dispatch_vec<T, true>(vec, [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const int tile_c = static_cast<int>(std::min<int64_t>(channels, kMaxLanes * VEC));
       const int window = window_cells_for(stage_elems<T, VEC>(), tile_c);
-      const int ppb =
-          points_per_block_for(n, n_cells, window, tile_c / VEC, device_id, points_per_block);
+      // pool_runs has at most kMaxSlots slots: as if each took >= kUnroll lanes.
+      const int ppb = points_per_block_for(n, n_cells, window, std::max(tile_c / VEC, kUnroll),
+                                           device_id, points_per_block);
       const dim3 grid(static_cast<unsigned>((n + ppb - 1) / ppb),
                       static_cast<unsigned>((channels / VEC + kMaxLanes - 1) / kMaxLanes));
       launch_zero(data_of(out), out_bytes, device_id, s, "bev_pool_v2 fill (out)");
@@ -972,8 +1049,8 @@ void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
       constexpr int VEC = decltype(vec_tag)::value;
       const int tile_c = static_cast<int>(std::min<int64_t>(channels, kMaxLanes * VEC));
       // No window here (rows are written whole): only the occupancy and slot bounds apply.
-      const int ppb =
-          points_per_block_for(n_sorted, n_keys, 0, tile_c / VEC, device_id, points_per_block);
+      const int ppb = points_per_block_for(n_sorted, n_keys, 0, std::max(tile_c / VEC, kUnroll),
+                                           device_id, points_per_block);
       const dim3 grid(static_cast<unsigned>((n_sorted + ppb - 1) / ppb),
                       static_cast<unsigned>((channels / VEC + kMaxLanes - 1) / kMaxLanes));
       const bool prezero = n_keys > kSparseKeysPerPoint * n_sorted;

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 NOT_FOUND = 2**31 - 1
+UNROLL = 4  # kUnroll: points per slot and batch (one staged record each)
 
 
 def _run_start(keys, j):
@@ -94,7 +95,7 @@ def segmented_pool(
                 if not zero_filled and 0 <= x - z0 < bitmap_bits:
                     bitmap.add(x - z0)
 
-        S = threads // lanes
+        S = min(threads // lanes, threads // UNROLL)  # pool_runs: at most kMaxSlots slots
         n_own = q1 - q0
         K = -(-n_own // S)
         part, flags, pending = {}, {}, {}

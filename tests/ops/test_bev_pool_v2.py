@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -668,6 +669,57 @@ def test_native_channel_tiles_forward_and_backward(dtype, channels, deterministi
     tol = tolerance(dtype, "bev_pool_v2")
     assert_close(got_f, want_f, **tol, name="grad_feat")
     assert_close(got_d, want_d, **tol, name="grad_depth")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("channels", [4, 8, 16, 24, 40, 136])
+def test_native_forward_lane_layouts(dtype, channels):
+    """The forward's slots of G = C / vector lanes: G below the 4 points staged per slot and
+    batch (1-3 lanes: lanes load several records), G not a power of two (3, 5, 17), slots capped
+    at 64 (G < 4 leaves threads idle); float32 rows in 32-byte vectors."""
+    device = native_gpu_device()
+    args = make_inputs("bevdet-r50", channels=channels, dtype=dtype, device=device, seed=channels)
+    out = poisoned(_out_shape(args), dtype, device)
+    _native_forward(args, out)
+    assert_close(out, bev_pool_v2_reference(*args), **tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_native_forward_16_byte_aligned_feat_uses_narrower_vectors():
+    """feat 16- but not 32-byte aligned: float32 rows fall back from 32- to 16-byte vectors."""
+    device = native_gpu_device()
+    args = list(make_inputs("bevdet-r50", channels=64, device=device))
+    storage = torch.empty(args[1].numel() + 4, device=device)
+    feat = storage[4:].view(args[1].shape)
+    assert feat.data_ptr() % 32 == 16
+    feat.copy_(args[1])
+    args[1] = feat
+    out = poisoned(_out_shape(args), torch.float32, device)
+    _native_forward(args, out)
+    assert_close(out, bev_pool_v2_reference(*args), **tolerance(torch.float32))
+
+
+@pytest.mark.gpu
+def test_native_forward_vector_bytes_knob_keeps_results():
+    """MUSPACE_BEV_POOL_V2_VECTOR_BYTES=16 (profiling: 16-byte float32 rows instead of 32) is
+    read once per process, so it runs in a child process."""
+    import os
+    import subprocess
+
+    device = native_gpu_device()
+    code = (
+        "import torch, sys\n"
+        "from tests.ops.test_bev_pool_v2 import make_inputs, _out_shape\n"
+        "from mu_space.ops.bev_pool_v2 import bev_pool_v2, bev_pool_v2_reference\n"
+        f"args = make_inputs('bevdet-r50-d88', device='{device}')\n"
+        "out = bev_pool_v2(*args, backend='native')\n"
+        "err = (out - bev_pool_v2_reference(*args)).abs().max().item()\n"
+        "sys.exit(0 if err < 1e-4 else 1)\n"
+    )
+    env = dict(os.environ, MUSPACE_BEV_POOL_V2_VECTOR_BYTES="16")
+    root = str(Path(__file__).resolve().parents[2])
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=300)
 
 
 @pytest.mark.gpu
