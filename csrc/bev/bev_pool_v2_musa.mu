@@ -742,6 +742,191 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
   }
 }
 
+// ------------------------------------------------------------------ frustum-layout backward
+// bev_pool_prepare's ranks are in the frustum layout: point i's depth entry ranks_depth[i] =
+// ((b*N + n)*D + d)*HW + hw is unique, and its feat row ranks_feat[i] = (b*N + n)*HW + hw is the
+// ray's row, shared by the ray's D depth bins. So grad_feat of a row is a gather over its D
+// entries, and grad_depth of an entry a dot product with the row: each written once, no atomics.
+// point_of_depth[k] (the inverse of ranks_depth) says which point, if any, entry k is.
+// Points outside that layout (a repeated ranks_depth, ranks_feat not the ray's row) are
+// "irregular": found afterwards and, in the default mode, added with float32 atomics.
+
+constexpr int kFrustumRows = 4;  // feat rows per block; the block's slots split their D bins
+
+__device__ __forceinline__ int frustum_row(int k, int bins_hw, int hw) {
+  return (k / bins_hw) * hw + k % hw;
+}
+
+__device__ __forceinline__ bool valid_point(int rd, int rf, int cell, int n_depth, int n_rows,
+                                            int n_cells) {
+  return static_cast<unsigned>(rd) < static_cast<unsigned>(n_depth) &&
+         static_cast<unsigned>(rf) < static_cast<unsigned>(n_rows) &&
+         static_cast<unsigned>(cell) < static_cast<unsigned>(n_cells);
+}
+
+// point_of_depth (filled with -1 before) := i at ranks_depth[i] for the valid points in the
+// layout. A repeated entry keeps one of its points (any): the others are irregular.
+__global__ void __launch_bounds__(kThreads)
+    frustum_points_kernel(const int* __restrict__ ranks_depth, const int* __restrict__ ranks_feat,
+                          const int* __restrict__ ranks_bev, int* __restrict__ point_of_depth,
+                          int* __restrict__ irregular, int n_points, int n_depth, int n_rows,
+                          int n_cells, int bins_hw, int hw) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *irregular = 0;  // set by the last kernel only
+  for (int64_t i = global_thread(); i < n_points; i += global_threads()) {
+    const int rd = ranks_depth[i], rf = ranks_feat[i], cell = ranks_bev[i];
+    if (valid_point(rd, rf, cell, n_depth, n_rows, n_cells) && rf == frustum_row(rd, bins_hw, hw)) {
+      point_of_depth[rd] = static_cast<int>(i);
+    }
+  }
+}
+
+// grad_feat[row] = sum over the row's D entries k with a point i of depth[k] * g[cell_i], and
+// grad_depth[k] = <g[cell_i], feat[row]> (0 for an entry without a point), g = grad_rows
+// (channels last). A block takes kFrustumRows rows; its S slots of G lanes (lane = one channel
+// vector) are (row, sub) pairs, sub s taking bins s*kUnroll + [0, kUnroll) of each round of
+// P*kUnroll bins. Partial sums are combined in a fixed order: bit-identical reruns.
+template <typename T, typename TOut, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    frustum_backward_kernel(const T* __restrict__ grad_rows, const T* __restrict__ depth,
+                            const T* __restrict__ feat, const int* __restrict__ ranks_bev,
+                            const int* __restrict__ point_of_depth, TOut* __restrict__ grad_depth,
+                            TOut* __restrict__ grad_feat, int n_rows, int bins, int hw,
+                            int channels) {
+  __shared__ int s_cell[kThreads];
+  __shared__ float s_weight[kThreads];
+  __shared__ float s_dot[kUnroll][kThreads];
+  __shared__ float s_acc[kThreads * VEC];
+  const int tid = threadIdx.x;
+  const int G = channels / VEC;  // <= kMaxLanes (host)
+  const int S = min(kThreads / G, kMaxSlots);
+  const int P = S / kFrustumRows;  // subs per row (S >= 8: G <= 32)
+  const int slot = tid / G;
+  const int lane = tid - slot * G;
+  const int local_row = slot % kFrustumRows;
+  const int sub = slot / kFrustumRows;
+  const int row0 = blockIdx.x * kFrustumRows;
+  const int row = row0 + local_row;
+  const bool active = slot < kFrustumRows * P && row < n_rows;
+  const int bins_per_round = P * kUnroll;
+  const int entries = kFrustumRows * bins_per_round;  // <= kMaxSlots * kUnroll = kThreads
+  // Entry e of a round: bin e / kFrustumRows (sub e / (kFrustumRows*kUnroll)), row e % rows.
+  auto entry_k = [&](int e, int d0, int& k) -> bool {
+    const int r = row0 + e % kFrustumRows;
+    const int d = d0 + e / kFrustumRows;
+    if (r >= n_rows || d >= bins) return false;
+    k = ((r / hw) * bins + d) * hw + r % hw;
+    return true;
+  };
+
+  float f[VEC], acc[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) f[e] = acc[e] = 0.0f;
+  if (active) Vec<T, VEC>::load(feat + static_cast<int64_t>(row) * channels + lane * VEC).unpack(f);
+
+  for (int d0 = 0; d0 < bins; d0 += bins_per_round) {
+    if (tid < entries) {
+      int k = 0, cell = -1;
+      float w = 0.0f;
+      if (entry_k(tid, d0, k)) {
+        const int i = point_of_depth[k];
+        if (i >= 0) {
+          cell = ranks_bev[i];  // checked by frustum_points_kernel
+          w = to_float(depth[k]);
+        }
+      }
+      s_cell[tid] = cell;
+      s_weight[tid] = w;
+    }
+    __syncthreads();
+    if (active) {
+      Vec<T, VEC> g[kUnroll];
+      int e0 = (sub * kUnroll) * kFrustumRows + local_row;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int cell = s_cell[e0 + u * kFrustumRows];
+        g[u] = Vec<T, VEC>::zero();
+        if (cell >= 0)
+          g[u] = Vec<T, VEC>::load(grad_rows + static_cast<int64_t>(cell) * channels + lane * VEC);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float gv[VEC];
+        g[u].unpack(gv);
+        const float w = s_weight[e0 + u * kFrustumRows];
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          acc[e] = fmaf(w, gv[e], acc[e]);
+          dot = fmaf(gv[e], f[e], dot);
+        }
+        s_dot[u][tid] = dot;
+      }
+    }
+    __syncthreads();
+    if (tid < entries) {
+      int k = 0;
+      if (entry_k(tid, d0, k)) {
+        // The entry's slot: row tid % rows, sub = (bin in round) / kUnroll, u = bin % kUnroll.
+        const int bin = tid / kFrustumRows;
+        const int es = (bin / kUnroll) * kFrustumRows + tid % kFrustumRows;
+        float sum = 0.0f;
+        for (int l = 0; l < G; ++l) sum += s_dot[bin % kUnroll][es * G + l];
+        grad_depth[k] = from_float<TOut>(s_cell[tid] >= 0 ? sum : 0.0f);
+      }
+    }
+    __syncthreads();  // s_cell, s_weight, s_dot reused by the next round
+  }
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) s_acc[tid * VEC + e] = acc[e];
+  }
+  __syncthreads();
+  if (active && sub == 0) {
+    float total[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) total[e] = 0.0f;
+    for (int p = 0; p < P; ++p) {
+      const int t = (p * kFrustumRows + local_row) * G + lane;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) total[e] += s_acc[t * VEC + e];
+    }
+    Vec<TOut, VEC>::pack(total).store(grad_feat + static_cast<int64_t>(row) * channels +
+                                      lane * VEC);
+  }
+}
+
+// The points frustum_backward_kernel did not take (valid, but not point_of_depth's entry):
+// irregular[0] := 1 and, with `add`, their terms added with float32 atomics (grad_depth_acc /
+// grad_feat_acc float32, holding the gather's result).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    irregular_points_kernel(const T* __restrict__ grad_rows, const T* __restrict__ depth,
+                            const T* __restrict__ feat, const int* __restrict__ ranks_depth,
+                            const int* __restrict__ ranks_feat, const int* __restrict__ ranks_bev,
+                            const int* __restrict__ point_of_depth,
+                            float* __restrict__ grad_depth_acc, float* __restrict__ grad_feat_acc,
+                            int* __restrict__ irregular, int n_points, int n_depth, int n_rows,
+                            int n_cells, int channels, int bins_hw, int hw) {
+  for (int64_t i = global_thread(); i < n_points; i += global_threads()) {
+    const int rd = ranks_depth[i], rf = ranks_feat[i], cell = ranks_bev[i];
+    if (!valid_point(rd, rf, cell, n_depth, n_rows, n_cells)) continue;  // contributes nothing
+    if (rf == frustum_row(rd, bins_hw, hw) && point_of_depth[rd] == i) continue;
+    *irregular = 1;
+    if (grad_depth_acc == nullptr) continue;
+    const float w = to_float(depth[rd]);
+    const T* g = grad_rows + static_cast<int64_t>(cell) * channels;
+    const T* x = feat + static_cast<int64_t>(rf) * channels;
+    float* gf = grad_feat_acc + static_cast<int64_t>(rf) * channels;
+    float dot = 0.0f;
+    for (int c = 0; c < channels; ++c) {
+      const float gc = to_float(g[c]);
+      dot = fmaf(gc, to_float(x[c]), dot);
+      atomicAdd(gf + c, w * gc);
+    }
+    atomicAdd(grad_depth_acc + rd, dot);
+  }
+}
+
 // ------------------------------------------------------------------------------ host helpers
 
 // Widest vector (16, 8, 4 or 2 bytes; 32 for float32 with `wide`) that divides a row and every
@@ -1080,6 +1265,103 @@ void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
   });
 }
 
+// Backward in the frustum layout (see frustum_backward_kernel), for depth [B, N, D, H, W] and
+// feat [B, N, H, W, C]. Returns false, launching nothing, when that layout does not apply: other
+// shapes, or more than kMaxLanes channel vectors (C > 128 float32 / 256 16-bit channels).
+// - grad_rows [n_cells, C]: grad_out channels last, feat's dtype;
+// - point_of_depth int32 [depth.numel()]: workspace;
+// - grad_depth (depth's shape), grad_feat (feat's shape): every element written; feat's dtype or
+//   float32 (float32 with add_irregular);
+// - irregular int32 [1]: := 1 if some valid point is outside the layout (a repeated ranks_depth,
+//   or ranks_feat not its ray's row), else 0. Their terms are added with float32 atomics when
+//   add_irregular, else left out (the caller recomputes).
+bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
+                      TensorView ranks_depth, TensorView ranks_feat, TensorView ranks_bev,
+                      TensorView point_of_depth, TensorView grad_depth, TensorView grad_feat,
+                      TensorView irregular, bool add_irregular, int64_t stream) {
+  const Points pts = check_points(feat, "feat", Optional<TensorView>(depth),
+                                  Optional<TensorView>(ranks_depth), ranks_feat, ranks_bev);
+  const int64_t n = pts.n, channels = pts.channels;
+  check_input(grad_rows, "grad_rows", feat, feat.dtype());
+  check_ndim(grad_rows, "grad_rows", 2);
+  check_size(grad_rows, "grad_rows", 1, channels);
+  if (grad_rows.size(0) > kMaxCells) {
+    TVM_FFI_THROW(ValueError) << "grad_rows has " << grad_rows.size(0) << " cells; at most "
+                              << kMaxCells;
+  }
+  check_vector(point_of_depth, "point_of_depth", feat, kInt32, depth.numel());
+  check_vector(irregular, "irregular", feat, kInt32, 1);
+  check_device(grad_depth, "grad_depth", feat);
+  check_contiguous(grad_depth, "grad_depth");
+  check_same_shape(grad_depth, "grad_depth", depth, "depth");
+  check_device(grad_feat, "grad_feat", feat);
+  check_contiguous(grad_feat, "grad_feat");
+  check_same_shape(grad_feat, "grad_feat", feat, "feat");
+  check_same_dtype(grad_feat, "grad_feat", grad_depth, "grad_depth");
+  const bool out_f32 = same_dtype(grad_feat.dtype(), kFloat32);
+  if (!out_f32) check_same_dtype(grad_feat, "grad_feat", feat, "feat");
+  if (add_irregular && !out_f32) {
+    TVM_FFI_THROW(TypeError) << "add_irregular needs float32 grad_depth / grad_feat, got "
+                             << dtype_name(grad_feat.dtype());
+  }
+  const bool frustum = depth.ndim() == 5 && feat.ndim() == 5 && depth.size(0) == feat.size(0) &&
+                       depth.size(1) == feat.size(1) && depth.size(3) == feat.size(2) &&
+                       depth.size(4) == feat.size(3) && depth.numel() <= INT_MAX;
+  const int vec = pick_vec(element_bytes(feat), channels,
+                           {data_of(feat), data_of(grad_rows), data_of(grad_feat)});
+  if (!frustum || channels == 0 || channels / vec > kMaxLanes) return false;
+  const int device_id = feat.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t s = as_stream(stream);
+  const int n_rows = static_cast<int>(feat.numel() / channels);
+  if (n_rows == 0) {  // no rows, no depth entries: nothing to write but the flag
+    launch_zero(data_of(irregular), 4, device_id, s, "bev_pool_v2 fill (irregular)");
+    return true;
+  }
+  const int bins = static_cast<int>(depth.size(2));
+  const int hw = static_cast<int>(depth.size(3) * depth.size(4));
+  const int n_depth = static_cast<int>(depth.numel());
+  const int n_cells = static_cast<int>(grad_rows.size(0));
+  launch_fill(data_of(point_of_depth), n_depth * int64_t{4}, fill_word(-1), device_id, s,
+              "bev_pool_v2 fill (point_of_depth)");
+  const int point_grid = grid_for(n, kThreads, device_id, 8);
+  frustum_points_kernel<<<point_grid, kThreads, 0, s>>>(
+      data_of<const int>(ranks_depth), data_of<const int>(ranks_feat),
+      data_of<const int>(ranks_bev), data_of<int>(point_of_depth), data_of<int>(irregular),
+      static_cast<int>(n), n_depth, n_rows, n_cells, bins * hw, hw);
+  check_launch("bev_pool_v2 frustum_points_kernel");
+  dispatch_float(feat, "feat", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_vec<T>(vec, [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const dim3 grid(static_cast<unsigned>((n_rows + kFrustumRows - 1) / kFrustumRows));
+      auto launch = [&](auto out_tag) {
+        using TOut = decltype(out_tag);
+        frustum_backward_kernel<T, TOut, VEC><<<grid, kThreads, 0, s>>>(
+            data_of<const T>(grad_rows), data_of<const T>(depth), data_of<const T>(feat),
+            data_of<const int>(ranks_bev), data_of<const int>(point_of_depth),
+            data_of<TOut>(grad_depth), data_of<TOut>(grad_feat), n_rows, bins, hw,
+            static_cast<int>(channels));
+        check_launch("bev_pool_v2 frustum_backward_kernel");
+      };
+      if (out_f32) {
+        launch(float{});
+      } else {
+        launch(T{});
+      }
+      irregular_points_kernel<T><<<point_grid, kThreads, 0, s>>>(
+          data_of<const T>(grad_rows), data_of<const T>(depth), data_of<const T>(feat),
+          data_of<const int>(ranks_depth), data_of<const int>(ranks_feat),
+          data_of<const int>(ranks_bev), data_of<const int>(point_of_depth),
+          add_irregular ? data_of<float>(grad_depth) : nullptr,
+          add_irregular ? data_of<float>(grad_feat) : nullptr, data_of<int>(irregular),
+          static_cast<int>(n), n_depth, n_rows, n_cells, static_cast<int>(channels), bins * hw, hw);
+      check_launch("bev_pool_v2 irregular_points_kernel");
+    });
+  });
+  return true;
+}
+
 }  // namespace
 }  // namespace bev_pool_v2
 }  // namespace muspace
@@ -1088,3 +1370,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_forward, muspace::bev_pool_v2::forward
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_backward, muspace::bev_pool_v2::backward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_backward_feat_sorted,
                               muspace::bev_pool_v2::backward_feat_sorted);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_backward_frustum, muspace::bev_pool_v2::backward_frustum);

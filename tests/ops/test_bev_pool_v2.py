@@ -789,6 +789,147 @@ def test_native_backward_matches_reference(dtype, config, channels, batch, deter
     assert_close(got_d, want_d, **tol, name="grad_depth")
 
 
+def _frustum_entry(grad, args, out_dtype, add_irregular, *, poison=True):
+    """bev_pool_v2_backward_frustum called directly, every output poisoned first."""
+    depth, feat, rd, rf, rb = args[:5]
+    device, C = feat.device, feat.shape[-1]
+    grad_rows = grad.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous()
+    point_of_depth = torch.full((depth.numel(),), 12345, dtype=torch.int32, device=device)
+    irregular = torch.full((1,), -7, dtype=torch.int32, device=device)
+    gd = poisoned(depth.shape, out_dtype, device)
+    gf = poisoned(feat.shape, out_dtype, device)
+    covered = native.function("bev_pool_v2_backward_frustum")(
+        grad_rows,
+        depth,
+        feat,
+        rd,
+        rf,
+        rb,
+        point_of_depth,
+        gd,
+        gf,
+        irregular,
+        add_irregular,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    return covered, gd, gf, int(irregular[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("config,channels", [("bevdet-r50", 64), ("bevdet-d118", 80), ("tiny", 5)])
+def test_native_frustum_backward_writes_every_element(dtype, config, channels):
+    """The frustum entry point on bev_pool_prepare's ranks: every gradient element written (the
+    outputs start as NaN; entries of dropped frustum points get 0), no point irregular."""
+    device = native_gpu_device()
+    args = make_inputs(config, channels=channels, dtype=dtype, device=device, seed=3)
+    g = torch.randn(_out_shape(args), device=device).to(dtype)
+    want_d, want_f = bev_pool_v2_backward_reference(g, *args)
+    tol = tolerance(dtype, "bev_pool_v2")
+    for out_dtype, add in ((dtype, False), (torch.float32, True)):
+        covered, gd, gf, irregular = _frustum_entry(g, args, out_dtype, add)
+        assert covered and irregular == 0
+        assert_close(gf.to(dtype), want_f, **tol, name="grad_feat")
+        assert_close(gd.to(dtype), want_d, **tol, name="grad_depth")
+    assert args[2].numel() < args[0].numel()  # some frustum points were dropped
+
+
+@pytest.mark.gpu
+def test_native_frustum_backward_declines_other_layouts():
+    """Not the frustum layout (flat depth, or > 32 channel vectors): nothing launched, False."""
+    device = native_gpu_device()
+    args = list(make_inputs("tiny", channels=64, device=device))
+    g = torch.randn(_out_shape(args), device=device)
+    flat = list(args)
+    flat[0] = args[0].reshape(-1)
+    assert not _frustum_entry(g, flat, torch.float32, True)[0]
+    wide = make_inputs("tiny", channels=300, device=device)
+    assert not _frustum_entry(
+        torch.randn(_out_shape(wide), device=device), wide, torch.float32, True
+    )[0]
+
+
+def _irregular_inputs(dtype, device):
+    """bevdet-r50 ranks with points outside the frustum layout: some depth entries shared by 2
+    or 3 points, some ranks_feat moved to another row, some points made bad (rank -1)."""
+    args = list(make_inputs("bevdet-r50", channels=64, dtype=dtype, device=device, seed=5))
+    n = args[4].numel()
+    gen = torch.Generator().manual_seed(7)
+    rd, rf = args[2].clone(), args[3].clone()
+    pick = torch.randint(0, n - 2, (n // 50,), generator=gen).to(device)
+    rd[pick] = rd[pick + 1]  # shared by 2 (or 3 where picks are adjacent)
+    rd[pick[:50] + 2] = rd[pick[:50] + 1]
+    moved = torch.randint(0, n, (n // 50,), generator=gen).to(device)
+    rf[moved] = (rf[moved] + 17) % _bev_feat_rows(args[1])
+    bad = torch.randint(0, n, (n // 100,), generator=gen).to(device)
+    rd[bad] = -1
+    args[2], args[3] = rd, rf
+    return args
+
+
+def _bev_feat_rows(feat):
+    return feat.numel() // feat.shape[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_native_backward_with_points_outside_the_frustum_layout(dtype, deterministic):
+    """Irregular points: the default mode adds them with atomics, the deterministic mode sees
+    the flag and takes the sorted path; both equal the reference."""
+    device = native_gpu_device()
+    args = _irregular_inputs(dtype, device)
+    g = torch.randn(_out_shape(args), device=device).to(dtype)
+    assert _frustum_entry(g, args, torch.float32, True)[3] == 1
+    want_d, want_f = bev_pool_v2_backward_reference(g, *args)
+    got_d, got_f = backward(g, args, True, True, deterministic, "native")
+    tol = tolerance(dtype, "bev_pool_v2")
+    assert_close(got_f, want_f, **tol, name="grad_feat")
+    assert_close(got_d, want_d, **tol, name="grad_depth")
+    if deterministic:
+        again = backward(g, args, True, True, deterministic, "native")
+        assert torch.equal(again[0], got_d) and torch.equal(again[1], got_f)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("config", ["bevdet-r50", "bevdet-r50-d88"])
+def test_native_default_backward_is_bit_identical_between_runs(dtype, config):
+    """On bev_pool_prepare's ranks the default backward has no float atomics (frustum layout):
+    two runs give the same bits, and the deterministic mode the same values."""
+    device = native_gpu_device()
+    args = make_inputs(config, dtype=dtype, device=device, seed=11)
+    g = torch.randn(_out_shape(args), device=device).to(dtype)
+    first = backward(g, args, True, True, False, "native")
+    second = backward(g, args, True, True, False, "native")
+    det = backward(g, args, True, True, True, "native")
+    for a, b, c in zip(first, second, det):
+        assert torch.equal(a, b)
+        assert_close(c, a, **tolerance(dtype, "bev_pool_v2"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_native_backward_on_padded_ranks(deterministic):
+    """bev_pool_prepare_padded's tail (ranks -1, keys above every cell) gets no gradient."""
+    device = native_gpu_device()
+    padded, plain = (
+        tuple(
+            a.to(device).float()
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else (a.to(device) if isinstance(a, torch.Tensor) else a)
+            for a in args
+        )
+        for args in _padded_inputs()
+    )
+    g = torch.randn(_out_shape(plain), device=device)
+    want_d, want_f = bev_pool_v2_backward_reference(g, *plain)
+    got_d, got_f = backward(g, padded, True, True, deterministic, "native")
+    tol = tolerance(torch.float32, "bev_pool_v2")
+    assert_close(got_f, want_f, **tol, name="grad_feat")
+    assert_close(got_d, want_d, **tol, name="grad_depth")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_native_backward_without_depth(deterministic):
@@ -841,9 +982,10 @@ def test_cuda_graph_capture_of_forward_and_backward():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("corruption", ["negative", "huge", "unsorted", "garbage_intervals"])
-def test_bad_indices_never_crash_and_validate_raises(corruption):
+@pytest.mark.parametrize("channels", [67, 64])  # 64: the frustum backward; 67: point kernels
+def test_bad_indices_never_crash_and_validate_raises(corruption, channels):
     device = native_gpu_device()
-    args = list(make_inputs("bevdet-r50", batch=2, channels=67, device=device))
+    args = list(make_inputs("bevdet-r50", batch=2, channels=channels, device=device))
     gen = torch.Generator(device="cpu").manual_seed(0)
     n = args[4].numel()
     idx = torch.randint(0, n, (n // 10,), generator=gen).to(device)
