@@ -32,6 +32,12 @@
 //   the points cover only part of the grid (docs/operators/bev_pool_v2.md has the measurement).
 //
 // Backward:
+// - The frustum layout (bev_pool_prepare's ranks; depth [B,N,D,H,W], feat [B,N,H,W,C]): a feat
+//   row's points are its ray's D depth entries, so frustum_backward_kernel gathers grad_feat per
+//   row and grad_depth per entry through point_of_depth (the inverse of ranks_depth), each
+//   written once: no atomics. Points outside the layout are found by irregular_points_kernel
+//   (float32 atomics in the default mode; a flag for the deterministic mode). The kernels below
+//   serve the rest (depth=None, other shapes, > kMaxLanes channel vectors).
 // - backward_points_kernel, in the forward's point order: the per-point dot(grad_out[:, cell_i],
 //   feat row) (lanes reduced in a fixed order), added into grad_depth[ranks_depth[i]] with a
 //   float32 atomic (so repeated ranks_depth values sum up) or, in the deterministic mode, stored

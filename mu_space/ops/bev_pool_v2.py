@@ -7,17 +7,25 @@ Native path:
   by points. It sums the runs of equal ranks_bev, which is what the interval arrays describe; it
   does not read them (so inconsistent intervals are not caught there: `validate=True` checks
   them).
-- backward, default: grad_depth and grad_feat are accumulated with float32 atomics into float32
-  buffers (cast once for float16 / bfloat16). A grad_depth element receives one add per point
-  that indexes it, so with unique ranks_depth (what `bev_pool_prepare` gives) it is exact and
-  identical between runs; grad_feat's float32 rounding may differ between runs.
-- backward under `torch.use_deterministic_algorithms(True)`: grad_depth as in the default mode
-  when no depth entry is indexed by 3 or more points (then 0 + a + b has the same bits in any
-  order; checked once per ranks_depth tensor), else from per-point dot products summed by
-  torch's deterministic index_add; grad_feat groups the points by ranks_feat with
+- backward for the frustum layout (depth [B, N, D, H, W], feat [B, N, H, W, C], ranks as
+  `bev_pool_prepare` builds them; at most 32 channel vectors per row): grad_feat of each feat
+  row is a gather over its D depth entries, grad_depth of each entry a dot product, each
+  written once with fixed-order sums: no atomics, bit-identical reruns, no host sync. Points
+  outside that layout (a repeated ranks_depth, ranks_feat not the ray's row: hand-made ranks)
+  are found by a last pass: the default mode adds them with float32 atomics; under
+  `torch.use_deterministic_algorithms(True)` a flag read (one host synchronisation) sends such
+  calls to the sorted path below.
+- backward otherwise (depth=None, other shapes, wide C), default: grad_depth and grad_feat are
+  accumulated with float32 atomics into float32 buffers (cast once for float16 / bfloat16). A
+  grad_depth element receives one add per point that indexes it, so with unique ranks_depth it
+  is exact and identical between runs; grad_feat's float32 rounding may differ between runs.
+- backward otherwise, under `torch.use_deterministic_algorithms(True)`: grad_depth as in the
+  default mode when no depth entry is indexed by 3 or more points (then 0 + a + b has the same
+  bits in any order; checked once per ranks_depth tensor), else from per-point dot products
+  summed by torch's deterministic index_add; grad_feat groups the points by ranks_feat with
   `sort_by_cell` and sums each feat row in a fixed order, with no atomics. Bit-identical between
-  runs. The sort's output size depends on the data, so this mode synchronises with the
-  host once per backward (the default mode never does).
+  runs. The sort's output size depends on the data, so this mode synchronises with the host
+  once per backward.
 - no host synchronisation in forward or default backward; kernels run on the caller's current
   stream (CUDA-graph capturable).
 
