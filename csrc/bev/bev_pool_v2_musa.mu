@@ -1303,6 +1303,7 @@ bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
   check_device(grad_feat, "grad_feat", feat);
   check_contiguous(grad_feat, "grad_feat");
   check_same_shape(grad_feat, "grad_feat", feat, "feat");
+  check_aligned(grad_feat, "grad_feat", 16);  // row vector stores of up to 32 bytes
   check_same_dtype(grad_feat, "grad_feat", grad_depth, "grad_depth");
   const bool out_f32 = same_dtype(grad_feat.dtype(), kFloat32);
   if (!out_f32) check_same_dtype(grad_feat, "grad_feat", feat, "feat");
