@@ -1304,9 +1304,13 @@ bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
   check_contiguous(grad_feat, "grad_feat");
   check_same_shape(grad_feat, "grad_feat", feat, "feat");
   check_aligned(grad_feat, "grad_feat", 16);  // row vector stores of up to 32 bytes
+  const bool out_f32 = same_dtype(grad_depth.dtype(), kFloat32);
+  if (!out_f32 && !same_dtype(grad_depth.dtype(), feat.dtype())) {
+    TVM_FFI_THROW(TypeError) << "grad_depth must be float32 or feat's dtype ("
+                             << dtype_name(feat.dtype()) << "), got "
+                             << dtype_name(grad_depth.dtype());
+  }
   check_same_dtype(grad_feat, "grad_feat", grad_depth, "grad_depth");
-  const bool out_f32 = same_dtype(grad_feat.dtype(), kFloat32);
-  if (!out_f32) check_same_dtype(grad_feat, "grad_feat", feat, "feat");
   if (add_irregular && !out_f32) {
     TVM_FFI_THROW(TypeError) << "add_irregular needs float32 grad_depth / grad_feat, got "
                              << dtype_name(grad_feat.dtype());
