@@ -8,12 +8,13 @@ bevdet-r50 (D 59, C 64, 177k points), bevdet-r50-d88 (D 88, C 80), bevdet-d118 (
 float32, float16 and bfloat16.
 
 - forward: `bev_pool_v2(..., backend="native")` (one kernel; allocates the output).
-- backward: everything the default backward does (zeroed grad_depth and float32 grad_feat
-  buffers, the kernel, the cast for 16-bit dtypes): `torch.autograd.grad` of the public call's
+- backward: everything the default backward does (the channels-last copy of grad_out, the
+  frustum kernels: point_of_depth fill + scatter, the row gather, the irregular-point pass; the
+  cast of the float32 results for 16-bit dtypes): `torch.autograd.grad` of the public call's
   output w.r.t. depth and feat with a fixed grad_out (the forward runs outside the timing).
-  `-det` cases: the deterministic mode, under `torch.use_deterministic_algorithms(True)` (adds
-  sort_by_cell(ranks_feat), which synchronises with the host once, a channels-last copy of
-  grad_out and the sorted kernel).
+  `-det` cases: the deterministic mode, under `torch.use_deterministic_algorithms(True)`: the
+  same kernels writing feat's dtype directly, plus one host synchronisation that reads the
+  irregular-point flag (ranks outside the frustum layout would take the sorted path; not here).
 - backward-autograd: the backward as a model runs it, `loss.backward()`: the leaves' .grad set
   to None (`zero_grad()`), then `out.backward(grad_out)` (loss.backward() for loss =
   (out * grad_out).sum(), less that loss's own elementwise node), the gradients accumulated into
@@ -72,6 +73,16 @@ SMOKE_RIG = "tiny"  # the geometry --smoke builds the bevdet-r50 cases on
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BEVDET = "bevdet-(r50|r50-d88|d118)"
 TARGETS = (
+    Target(rf"{_BEVDET}-forward-float32", "median_us", "<=", 10.0, "issue 13 item 1"),
+    Target(rf"{_BEVDET}-forward-float16", "median_us", "<=", 8.0, "issue 13 item 1"),
+    Target(rf"{_BEVDET}-backward-float32", "median_us", "<=", 40.0, "issue 13 item 2"),
+    Target(
+        rf"{_BEVDET}-backward-det-float32",
+        "median_us",
+        "<=",
+        40.0,
+        "issue 13 item 2 (deterministic = default kernels)",
+    ),
     Target(rf"{_BEVDET}-forward-float32", "median_us", "<=", 7.5, "issue 3 (BEVDet: 73-76 us)"),
     Target(rf"{_BEVDET}-forward-float16", "median_us", "<=", 6.0, "issue 3"),
     Target(rf"{_BEVDET}-backward-float32", "median_us", "<=", 30.0, "issue 3 (BEVDet: 418-611 us)"),
@@ -360,7 +371,7 @@ def cases_for(
                 dtype=dtype,
                 params={
                     **params,
-                    "mode": "deterministic (sort_by_cell + sorted kernel; 1 host sync)",
+                    "mode": "deterministic (frustum kernels; 1 host sync: the irregular flag)",
                 },
                 compulsory_bytes=out_bytes + in_bytes + ranks_bytes + in_bytes,
                 fn=harness.deterministic(harness.autograd_backward),

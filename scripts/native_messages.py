@@ -157,6 +157,24 @@ def collect(path: str) -> dict[str, dict[str, str]]:
         "bev_pool_v2_backward_feat_sorted",
         [np.zeros((16, C), f32), depth, ranks, ranks, ranks, ranks, feat, 0, 0],
     )
+    cases["bev_pool_v2_backward_frustum"] = _battery(
+        lib,
+        "bev_pool_v2_backward_frustum",
+        [
+            np.zeros((16, C), f32),
+            depth,
+            feat,
+            ranks,
+            ranks,
+            ranks,
+            np.zeros(depth.size, i32),
+            np.zeros_like(depth),
+            np.zeros_like(feat),
+            np.zeros(1, i32),
+            True,
+            0,
+        ],
+    )
     coor, m = np.zeros((B, N, D, H, W, 3), f32), B * N * D * H * W
     ws = np.zeros(int(lib["bev_pool_sort_workspace_ints"](m, 64)) + 8, i32)
     per_point, intervals = np.zeros(m, i32), np.zeros(min(m, 64), i32)

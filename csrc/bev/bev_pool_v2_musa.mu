@@ -17,7 +17,9 @@
 //   round) and with them owns the cells [cell of its first run, cell of the next block's first
 //   run).
 // - Inside the block, "slots" of G lanes (G = channel vectors per point) each take an equal,
-//   contiguous share of the block's points and sum runs in registers. A run cut by slot
+//   contiguous share of the block's points and sum runs in registers. A point's indices, bounds
+//   checks and depth weight are loaded once per slot (by one of its lanes, into shared memory a
+//   batch ahead), not by each of its G lanes; float32 rows are read as 32-byte vectors. A run cut by slot
 //   boundaries is finished by the slot holding its first point, which adds the later slots'
 //   partial sums in a fixed order: the result is bit-identical from run to run.
 // - The output is channels-first while feat is channels-last, so finished cells go to a
@@ -30,6 +32,12 @@
 //   the points cover only part of the grid (docs/operators/bev_pool_v2.md has the measurement).
 //
 // Backward:
+// - The frustum layout (bev_pool_prepare's ranks; depth [B,N,D,H,W], feat [B,N,H,W,C]): a feat
+//   row's points are its ray's D depth entries, so frustum_backward_kernel gathers grad_feat per
+//   row and grad_depth per entry through point_of_depth (the inverse of ranks_depth), each
+//   written once: no atomics. Points outside the layout are found by irregular_points_kernel
+//   (float32 atomics in the default mode; a flag for the deterministic mode). The kernels below
+//   serve the rest (depth=None, other shapes, > kMaxLanes channel vectors).
 // - backward_points_kernel, in the forward's point order: the per-point dot(grad_out[:, cell_i],
 //   feat row) (lanes reduced in a fixed order), added into grad_depth[ranks_depth[i]] with a
 //   float32 atomic (so repeated ranks_depth values sum up) or, in the deterministic mode, stored
@@ -52,6 +60,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <type_traits>
 
@@ -71,12 +80,22 @@ namespace {
 
 constexpr int kThreads = 256;  // every kernel of this file
 static_assert(kThreads % kWarpSize == 0, "blocks are whole warps");
-// Launch bounds (ptxas -v, sm_90a): the forward fits 64 registers without spill (1024 threads per
-// SM; the 16-bit deterministic grad_feat kernel spills 24 bytes); the backward's point kernel
-// needs 80 (768 threads per SM).
+// Launch bounds (ptxas -v, sm_90a, nvcc 13.0): the forward fits 64 registers (1024 threads per
+// SM; its 16-bit 8-wide variants spill 8 bytes), 80 with 32-byte float32 vectors (768 threads,
+// 8 bytes of spill); the backward's point kernel needs 80 (768 threads per SM).
 constexpr int kMinBlocksPerSM = 4;
 constexpr int kMinBlocksPerSMBackward = 3;
-constexpr int kUnroll = 4;              // points in flight per slot (each a 16-byte row vector)
+// The forward's 32-byte float32 vectors (4 points in flight: 32 registers of row data) get the
+// register room of 3 blocks per SM.
+template <typename T, int VEC>
+constexpr int min_blocks_per_sm() {
+  return VEC * static_cast<int>(sizeof(T)) > 16 ? 3 : kMinBlocksPerSM;
+}
+constexpr int kUnroll = 4;  // points in flight per slot (each one row vector)
+// pool_runs stages each batch's point records (key, row, weight) in shared memory, kUnroll per
+// slot: at most kThreads / kUnroll slots per block (G < kUnroll lanes per point leaves threads
+// idle; only C <= 3 vectors).
+constexpr int kMaxSlots = kThreads / kUnroll;
 constexpr int kMaxLanes = 32;           // channel vectors per point in one channel tile (grid.y)
 constexpr int kSmemBudget = 26 * 1024;  // static shared memory per block (rule: < 28 KB)
 constexpr int kSmemMisc = 1024;         // flags, bitmap, scalars
@@ -102,10 +121,19 @@ MUSPACE_LIMIT(bev_pool_v2, max_channels, kMaxChannels);
 constexpr int64_t kMaxCells = INT_MAX;  // B*Z*Y*X: ranks_bev is int32
 MUSPACE_LIMIT(bev_pool_v2, max_cells, kMaxCells);
 
-// Shared-memory window (elements of T) next to the slots' float32 partial sums.
+// One batch of point records per slot, double-buffered (pool_runs).
+struct PointBatch {
+  int key[2][kMaxSlots * kUnroll];
+  int row[2][kMaxSlots * kUnroll];  // -1: a bad point (nothing gathered)
+  float weight[2][kMaxSlots * kUnroll];
+};
+
+// Shared-memory window (elements of T) next to the slots' float32 partial sums and the point
+// records.
 template <typename T, int VEC>
 constexpr int stage_elems() {
-  return (kSmemBudget - kSmemMisc - kThreads * VEC * static_cast<int>(sizeof(float))) /
+  return (kSmemBudget - kSmemMisc - kThreads * VEC * static_cast<int>(sizeof(float)) -
+          static_cast<int>(sizeof(PointBatch))) /
          static_cast<int>(sizeof(T));
 }
 
@@ -120,9 +148,10 @@ __device__ __forceinline__ int clamp_key(int key, int n_keys) { return min(max(k
 
 // ------------------------------------------------------------------------- point accessors
 // A "gather" describes one segmented sum: key(j) is the segment key of point j (the points are
-// sorted by it), index() loads the row and weight indices of point j, gather() its weight and
-// row vector (zero for a bad point: an index out of range). A point whose key is out of range is
-// still gathered (its segment is dropped by the sink): only bad input has such keys.
+// sorted by it), point(j) its record (key, row, weight; row -1 for a bad point: an index out of
+// range, which contributes nothing), row_vector() VEC elements of a row. A point whose key is
+// out of range is still gathered (its segment is dropped by the sink): only bad input has such
+// keys.
 
 // Forward: key = ranks_bev, row = feat[ranks_feat], weight = depth[ranks_depth] (or 1).
 template <typename T, int VEC, bool kHasDepth>
@@ -138,18 +167,21 @@ struct FeatGather {
   int n_keys;
 
   __device__ __forceinline__ int key(int j) const { return keys[j]; }
-  __device__ __forceinline__ void index(int j, int& row, int& widx) const {
+  __device__ __forceinline__ void point(int j, int& key, int& row, float& w) const {
+    key = keys[j];
     row = ranks_feat[j];
-    widx = kHasDepth ? ranks_depth[j] : 0;
-  }
-  __device__ __forceinline__ void gather(int row, int widx, int c, float& w, Vec<T, VEC>& v) const {
-    w = 0.0f;
-    v = Vec<T, VEC>::zero();
+    const int widx = kHasDepth ? ranks_depth[j] : 0;
     const bool ok = static_cast<unsigned>(row) < static_cast<unsigned>(n_rows) &&
                     (!kHasDepth || static_cast<unsigned>(widx) < static_cast<unsigned>(n_depth));
-    if (!ok) return;  // a bad point contributes nothing
+    w = 0.0f;
+    if (!ok) {
+      row = -1;
+      return;
+    }
     w = kHasDepth ? to_float(depth[widx]) : 1.0f;
-    v = Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
+  }
+  __device__ __forceinline__ Vec<T, VEC> row_vector(int row, int c) const {
+    return Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
   }
 };
 
@@ -173,22 +205,23 @@ struct GradRowGather {
     const int o = order[j];
     return static_cast<unsigned>(o) < static_cast<unsigned>(n_points) ? ranks_feat[o] : -1;
   }
-  __device__ __forceinline__ void index(int j, int& row, int& widx) const {
+  __device__ __forceinline__ void point(int j, int& key, int& row, float& w) const {
     const int o = order[j];
+    key = -1;
     row = -1;
-    widx = -1;
-    if (static_cast<unsigned>(o) >= static_cast<unsigned>(n_points)) return;
-    row = ranks_bev[o];
-    widx = kHasDepth ? ranks_depth[o] : 0;
-  }
-  __device__ __forceinline__ void gather(int row, int widx, int c, float& w, Vec<T, VEC>& v) const {
     w = 0.0f;
-    v = Vec<T, VEC>::zero();
-    const bool ok = static_cast<unsigned>(row) < static_cast<unsigned>(n_cells) &&
+    if (static_cast<unsigned>(o) >= static_cast<unsigned>(n_points)) return;
+    key = ranks_feat[o];
+    const int cell = ranks_bev[o];
+    const int widx = kHasDepth ? ranks_depth[o] : 0;
+    const bool ok = static_cast<unsigned>(cell) < static_cast<unsigned>(n_cells) &&
                     (!kHasDepth || static_cast<unsigned>(widx) < static_cast<unsigned>(n_depth));
     if (!ok) return;
+    row = cell;
     w = kHasDepth ? to_float(depth[widx]) : 1.0f;
-    v = Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
+  }
+  __device__ __forceinline__ Vec<T, VEC> row_vector(int row, int c) const {
+    return Vec<T, VEC>::load(rows + static_cast<int64_t>(row) * channels + c);
   }
 };
 
@@ -331,13 +364,17 @@ __device__ void find_owned_runs(const Gather& g, int n, int p0, int p1, int* s_q
 // slot holding its FIRST point (its last segment is still in `acc` after the loop): the later
 // slots leave their first segment's sum in s_part the moment it ends, and after the barrier the
 // owner adds those sums nearest first (a fixed order: bit-identical reruns).
-// Contains one __syncthreads: every thread of the block must call it.
+// Point records: lane u of a slot loads point u of the slot's next batch (indices, bounds
+// checks, depth weight) into s_pts while the slot consumes the current batch, so each point's
+// index work is done once instead of by each of its G lanes (that repeated work bound the
+// earlier version: docs/operators/bev_pool_v2.md).
+// Contains barriers: every thread of the block must call it.
 template <typename T, int VEC, class Gather, class Sink>
 __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, int G, int c_begin,
-                          float* s_part, unsigned char* s_flags) {
+                          float* s_part, unsigned char* s_flags, PointBatch* s_pts) {
   constexpr unsigned char kSingle = 1, kOpenEnd = 2;
   const int tid = threadIdx.x;
-  const int S = kThreads / G;  // slots
+  const int S = min(kThreads / G, kMaxSlots);  // slots
   const int slot = tid / G;
   const int lane = tid - slot * G;
   const int lane_c = lane * VEC;       // channel offset within the tile (what sinks take)
@@ -347,28 +384,54 @@ __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, i
   const int a = q0 + min(slot * K, n_own);
   const int b = min(a + K, q1);
   const bool active = slot < S && a < b;
+  const int batches = (K + kUnroll - 1) / kUnroll;  // block-uniform (barriers inside)
+
+  // Lane u < kUnroll of a slot stages point u of each batch of its slot (lanes u, u + G, ...
+  // when G < kUnroll: only C <= 3 vectors). Records go to entry slot * kUnroll + u.
+  int next_key = 0, next_row = -1;
+  float next_w = 0.0f;
+  auto fetch = [&](int batch, int u) -> bool {
+    const int j = a + batch * kUnroll + u;
+    if (!active || u >= kUnroll || j >= b) return false;
+    gat.point(j, next_key, next_row, next_w);
+    return true;
+  };
+  auto put = [&](int buf, int u) {
+    const int e = slot * kUnroll + u;
+    s_pts->key[buf][e] = next_key;
+    s_pts->row[buf][e] = next_row;
+    s_pts->weight[buf][e] = next_w;
+  };
+  auto stage_rest = [&](int batch, int buf) {  // the further points of a slot with G < kUnroll
+    for (int u = lane + G; u < kUnroll; u += G) {
+      if (fetch(batch, u)) put(buf, u);
+    }
+  };
 
   float acc[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) acc[e] = 0.0f;
   int cur = 0;
   bool owner_pending = false;
-
+  bool first_open = false, seg_first = true;
+  int key_after = 0;
   if (active) {
-    // Row and weight indices of the next batch are prefetched; keys are loaded with the rows.
-    int nr[kUnroll], nw[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      nr[u] = nw[u] = 0;
-      if (a + u < b) gat.index(a + u, nr[u], nw[u]);
-    }
     const int key_before = a > q0 ? gat.key(a - 1) : 0;
-    const int key_after = b < q1 ? gat.key(b) : 0;
+    key_after = b < q1 ? gat.key(b) : 0;
     cur = gat.key(a);
-    const bool first_open = a > q0 && key_before == cur;  // continues a run of earlier slots
-    bool seg_first = true;
+    first_open = a > q0 && key_before == cur;  // continues a run of earlier slots
+  }
+  if (fetch(0, lane)) put(0, lane);
+  stage_rest(0, 0);
+  __syncthreads();
 
-    for (int i = a; i < b; i += kUnroll) {
+  for (int t = 0; t < batches; ++t) {
+    const int buf = t & 1;
+    // The next batch's records are requested before this batch's rows are consumed (one memory
+    // round trip per batch); they go to the other buffer after the rows are summed.
+    const bool staged_next = t + 1 < batches && fetch(t + 1, lane);
+    if (active) {
+      const int i = a + t * kUnroll;
       int ck[kUnroll];
       float w[kUnroll];
       Vec<T, VEC> v[kUnroll];
@@ -378,15 +441,12 @@ __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, i
         w[u] = 0.0f;
         v[u] = Vec<T, VEC>::zero();
         if (i + u < b) {
-          ck[u] = gat.key(i + u);
-          gat.gather(nr[u], nw[u], row_c, w[u], v[u]);
+          const int e = slot * kUnroll + u;
+          ck[u] = s_pts->key[buf][e];
+          const int row = s_pts->row[buf][e];
+          w[u] = s_pts->weight[buf][e];
+          if (row >= 0) v[u] = gat.row_vector(row, row_c);
         }
-      }
-      // The next indices are requested before this batch's rows are consumed (a software
-      // pipeline: one memory round trip per batch instead of two).
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (i + kUnroll + u < b) gat.index(i + kUnroll + u, nr[u], nw[u]);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -408,6 +468,12 @@ __device__ void pool_runs(const Gather& gat, const Sink& sink, int q0, int q1, i
         for (int e = 0; e < VEC; ++e) acc[e] = fmaf(w[u], f[e], acc[e]);  // w = 0 past b
       }
     }
+    if (staged_next) put(buf ^ 1, lane);
+    if (t + 1 < batches) stage_rest(t + 1, buf ^ 1);
+    __syncthreads();  // this batch read, the next one staged
+  }
+
+  if (active) {
     // The slot's last segment ends at b.
     const bool open_end = b < q1 && key_after == cur;
     if (seg_first && first_open) {  // one segment, continuing an earlier slot's run
@@ -486,12 +552,13 @@ __device__ bool owned_range(const Gather& gat, int n, int points_per_block, int 
 
 // `out` is zero-filled before the launch; the kernel writes the cells that have points.
 template <typename T, int VEC, bool kHasDepth>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm<T, VEC>())
     forward_kernel(FeatGather<T, VEC, kHasDepth> gat, T* __restrict__ out, int n_points,
                    int points_per_block, int channels, int cells_per_batch, int window_cells) {
   __shared__ float s_part[kThreads * VEC];
   alignas(16) __shared__ unsigned char s_stage_raw[stage_elems<T, VEC>() * sizeof(T)];
   __shared__ unsigned char s_flags[kThreads];
+  __shared__ PointBatch s_pts;
   __shared__ int s_q[6];
   const int tid = threadIdx.x;
   // The window starts as zeros (its empty cells are flushed with the rest); sizes do not
@@ -515,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   sink.channels = channels;
   sink.c_begin = blockIdx.y * kMaxLanes * VEC;
   sink.tile_c = min(kMaxLanes * VEC, channels - sink.c_begin);
-  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags);
+  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags, &s_pts);
   __syncthreads();
   sink.flush();
 }
@@ -527,6 +594,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   __shared__ float s_part[kThreads * VEC];
   __shared__ unsigned int s_bitmap[kBitmapWords];
   __shared__ unsigned char s_flags[kThreads];
+  __shared__ PointBatch s_pts;
   __shared__ int s_q[6];
   for (int e = threadIdx.x; e < kBitmapWords; e += kThreads) s_bitmap[e] = 0u;
   int q0, q1, lo, hi;
@@ -540,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSM)
   sink.channels = channels;
   sink.c_begin = blockIdx.y * kMaxLanes * VEC;
   sink.tile_c = min(kMaxLanes * VEC, channels - sink.c_begin);
-  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags);
+  pool_runs<T, VEC>(gat, sink, q0, q1, sink.tile_c / VEC, sink.c_begin, s_part, s_flags, &s_pts);
   __syncthreads();
   if (!out_prezeroed) zero_unmarked(gat, sink, q0, q1, hi);
 }
@@ -680,15 +748,202 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSMBackward)
   }
 }
 
+// ------------------------------------------------------------------ frustum-layout backward
+// bev_pool_prepare's ranks are in the frustum layout: point i's depth entry ranks_depth[i] =
+// ((b*N + n)*D + d)*HW + hw is unique, and its feat row ranks_feat[i] = (b*N + n)*HW + hw is the
+// ray's row, shared by the ray's D depth bins. So grad_feat of a row is a gather over its D
+// entries, and grad_depth of an entry a dot product with the row: each written once, no atomics.
+// point_of_depth[k] (the inverse of ranks_depth) says which point, if any, entry k is.
+// Points outside that layout (a repeated ranks_depth, ranks_feat not the ray's row) are
+// "irregular": found afterwards and, in the default mode, added with float32 atomics.
+
+constexpr int kFrustumRows = 4;  // feat rows per block; the block's slots split their D bins
+
+__device__ __forceinline__ int frustum_row(int k, int bins_hw, int hw) {
+  return (k / bins_hw) * hw + k % hw;
+}
+
+__device__ __forceinline__ bool valid_point(int rd, int rf, int cell, int n_depth, int n_rows,
+                                            int n_cells) {
+  return static_cast<unsigned>(rd) < static_cast<unsigned>(n_depth) &&
+         static_cast<unsigned>(rf) < static_cast<unsigned>(n_rows) &&
+         static_cast<unsigned>(cell) < static_cast<unsigned>(n_cells);
+}
+
+// point_of_depth (filled with -1 before) := i at ranks_depth[i] for the valid points in the
+// layout. A repeated entry keeps one of its points (any): the others are irregular.
+__global__ void __launch_bounds__(kThreads)
+    frustum_points_kernel(const int* __restrict__ ranks_depth, const int* __restrict__ ranks_feat,
+                          const int* __restrict__ ranks_bev, int* __restrict__ point_of_depth,
+                          int* __restrict__ irregular, int n_points, int n_depth, int n_rows,
+                          int n_cells, int bins_hw, int hw) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *irregular = 0;  // set by the last kernel only
+  for (int64_t i = global_thread(); i < n_points; i += global_threads()) {
+    const int rd = ranks_depth[i], rf = ranks_feat[i], cell = ranks_bev[i];
+    if (valid_point(rd, rf, cell, n_depth, n_rows, n_cells) && rf == frustum_row(rd, bins_hw, hw)) {
+      point_of_depth[rd] = static_cast<int>(i);
+    }
+  }
+}
+
+// grad_feat[row] = sum over the row's D entries k with a point i of depth[k] * g[cell_i], and
+// grad_depth[k] = <g[cell_i], feat[row]> (0 for an entry without a point), g = grad_rows
+// (channels last). A block takes kFrustumRows rows; its S slots of G lanes (lane = one channel
+// vector) are (row, sub) pairs, sub s taking bins s*kUnroll + [0, kUnroll) of each round of
+// P*kUnroll bins. Partial sums are combined in a fixed order: bit-identical reruns.
+template <typename T, typename TOut, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    frustum_backward_kernel(const T* __restrict__ grad_rows, const T* __restrict__ depth,
+                            const T* __restrict__ feat, const int* __restrict__ ranks_bev,
+                            const int* __restrict__ point_of_depth, TOut* __restrict__ grad_depth,
+                            TOut* __restrict__ grad_feat, int n_rows, int bins, int hw,
+                            int channels) {
+  __shared__ int s_cell[kThreads];
+  __shared__ float s_weight[kThreads];
+  __shared__ float s_dot[kUnroll][kThreads];
+  __shared__ float s_acc[kThreads * VEC];
+  const int tid = threadIdx.x;
+  const int G = channels / VEC;  // <= kMaxLanes (host)
+  const int S = min(kThreads / G, kMaxSlots);
+  const int P = S / kFrustumRows;  // subs per row (S >= 8: G <= 32)
+  const int slot = tid / G;
+  const int lane = tid - slot * G;
+  const int local_row = slot % kFrustumRows;
+  const int sub = slot / kFrustumRows;
+  const int row0 = blockIdx.x * kFrustumRows;
+  const int row = row0 + local_row;
+  const bool active = slot < kFrustumRows * P && row < n_rows;
+  const int bins_per_round = P * kUnroll;
+  const int entries = kFrustumRows * bins_per_round;  // <= kMaxSlots * kUnroll = kThreads
+  // Entry e of a round: bin e / kFrustumRows (sub e / (kFrustumRows*kUnroll)), row e % rows.
+  auto entry_k = [&](int e, int d0, int& k) -> bool {
+    const int r = row0 + e % kFrustumRows;
+    const int d = d0 + e / kFrustumRows;
+    if (r >= n_rows || d >= bins) return false;
+    k = ((r / hw) * bins + d) * hw + r % hw;
+    return true;
+  };
+
+  float f[VEC], acc[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) f[e] = acc[e] = 0.0f;
+  if (active) Vec<T, VEC>::load(feat + static_cast<int64_t>(row) * channels + lane * VEC).unpack(f);
+
+  for (int d0 = 0; d0 < bins; d0 += bins_per_round) {
+    if (tid < entries) {
+      int k = 0, cell = -1;
+      float w = 0.0f;
+      if (entry_k(tid, d0, k)) {
+        const int i = point_of_depth[k];
+        if (i >= 0) {
+          cell = ranks_bev[i];  // checked by frustum_points_kernel
+          w = to_float(depth[k]);
+        }
+      }
+      s_cell[tid] = cell;
+      s_weight[tid] = w;
+    }
+    __syncthreads();
+    if (active) {
+      Vec<T, VEC> g[kUnroll];
+      int e0 = (sub * kUnroll) * kFrustumRows + local_row;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int cell = s_cell[e0 + u * kFrustumRows];
+        g[u] = Vec<T, VEC>::zero();
+        if (cell >= 0)
+          g[u] = Vec<T, VEC>::load(grad_rows + static_cast<int64_t>(cell) * channels + lane * VEC);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float gv[VEC];
+        g[u].unpack(gv);
+        const float w = s_weight[e0 + u * kFrustumRows];
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          acc[e] = fmaf(w, gv[e], acc[e]);
+          dot = fmaf(gv[e], f[e], dot);
+        }
+        s_dot[u][tid] = dot;
+      }
+    }
+    __syncthreads();
+    if (tid < entries) {
+      int k = 0;
+      if (entry_k(tid, d0, k)) {
+        // The entry's slot: row tid % rows, sub = (bin in round) / kUnroll, u = bin % kUnroll.
+        const int bin = tid / kFrustumRows;
+        const int es = (bin / kUnroll) * kFrustumRows + tid % kFrustumRows;
+        float sum = 0.0f;
+        for (int l = 0; l < G; ++l) sum += s_dot[bin % kUnroll][es * G + l];
+        grad_depth[k] = from_float<TOut>(s_cell[tid] >= 0 ? sum : 0.0f);
+      }
+    }
+    __syncthreads();  // s_cell, s_weight, s_dot reused by the next round
+  }
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) s_acc[tid * VEC + e] = acc[e];
+  }
+  __syncthreads();
+  if (active && sub == 0) {
+    float total[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) total[e] = 0.0f;
+    for (int p = 0; p < P; ++p) {
+      const int t = (p * kFrustumRows + local_row) * G + lane;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) total[e] += s_acc[t * VEC + e];
+    }
+    Vec<TOut, VEC>::pack(total).store(grad_feat + static_cast<int64_t>(row) * channels +
+                                      lane * VEC);
+  }
+}
+
+// The points frustum_backward_kernel did not take (valid, but not point_of_depth's entry):
+// irregular[0] := 1 and, with `add`, their terms added with float32 atomics (grad_depth_acc /
+// grad_feat_acc float32, holding the gather's result).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    irregular_points_kernel(const T* __restrict__ grad_rows, const T* __restrict__ depth,
+                            const T* __restrict__ feat, const int* __restrict__ ranks_depth,
+                            const int* __restrict__ ranks_feat, const int* __restrict__ ranks_bev,
+                            const int* __restrict__ point_of_depth,
+                            float* __restrict__ grad_depth_acc, float* __restrict__ grad_feat_acc,
+                            int* __restrict__ irregular, int n_points, int n_depth, int n_rows,
+                            int n_cells, int channels, int bins_hw, int hw) {
+  for (int64_t i = global_thread(); i < n_points; i += global_threads()) {
+    const int rd = ranks_depth[i], rf = ranks_feat[i], cell = ranks_bev[i];
+    if (!valid_point(rd, rf, cell, n_depth, n_rows, n_cells)) continue;  // contributes nothing
+    if (rf == frustum_row(rd, bins_hw, hw) && point_of_depth[rd] == i) continue;
+    *irregular = 1;
+    if (grad_depth_acc == nullptr) continue;
+    const float w = to_float(depth[rd]);
+    const T* g = grad_rows + static_cast<int64_t>(cell) * channels;
+    const T* x = feat + static_cast<int64_t>(rf) * channels;
+    float* gf = grad_feat_acc + static_cast<int64_t>(rf) * channels;
+    float dot = 0.0f;
+    for (int c = 0; c < channels; ++c) {
+      const float gc = to_float(g[c]);
+      dot = fmaf(gc, to_float(x[c]), dot);
+      atomicAdd(gf + c, w * gc);
+    }
+    atomicAdd(grad_depth_acc + rd, dot);
+  }
+}
+
 // ------------------------------------------------------------------------------ host helpers
 
-// Widest vector (16, 8, 4 or 2 bytes) that divides a row and every row pointer's alignment.
-// Instantiated widths: float32 {4, 1}; 16-bit {8, 2, 1} elements.
-int pick_vec(int elem_bytes, int64_t channels, std::initializer_list<const void*> ptrs) {
-  const int candidates_f32[] = {4, 1};
+// Widest vector (16, 8, 4 or 2 bytes; 32 for float32 with `wide`) that divides a row and every
+// row pointer's alignment. Instantiated widths: float32 {8 (forward), 4, 1}; 16-bit {8, 2, 1}
+// elements.
+int pick_vec(int elem_bytes, int64_t channels, std::initializer_list<const void*> ptrs,
+             bool wide = false) {
+  const int candidates_f32[] = {8, 4, 1};
   const int candidates_16[] = {8, 2, 1};
-  const int* cand = elem_bytes == 4 ? candidates_f32 : candidates_16;
-  const int n = elem_bytes == 4 ? 2 : 3;
+  const int* cand = elem_bytes == 4 ? candidates_f32 + (wide ? 0 : 1) : candidates_16;
+  const int n = elem_bytes == 4 ? (wide ? 3 : 2) : 3;
   for (int k = 0; k < n; ++k) {
     const int vec = cand[k];
     bool ok = channels % vec == 0;
@@ -698,10 +953,12 @@ int pick_vec(int elem_bytes, int64_t channels, std::initializer_list<const void*
   return 1;
 }
 
-// f(std::integral_constant<int, VEC>) for a width pick_vec chose.
-template <typename T, class F>
+// f(std::integral_constant<int, VEC>) for a width pick_vec chose (kWide: the forward's set).
+template <typename T, bool kWide = false, class F>
 void dispatch_vec(int vec, F&& f) {
-  if constexpr (sizeof(T) == 4) {
+  if constexpr (sizeof(T) == 4 && kWide) {
+    dispatch_int<8, 4, 1>(vec, f);
+  } else if constexpr (sizeof(T) == 4) {
     dispatch_int<4, 1>(vec, f);
   } else {
     dispatch_int<8, 2, 1>(vec, f);
@@ -731,6 +988,16 @@ int points_per_block_for(int64_t n_points, int64_t n_keys, int window, int lanes
   p = std::min(p, slots * kMaxPointsPerSlot);
   p = std::max(p, slots * kMinPointsPerSlot);
   return static_cast<int>(p);
+}
+
+// float32 forward rows as 32-byte vectors (8 channels per lane; 16-bit types have 8 channels in
+// 16 bytes). MUSPACE_BEV_POOL_V2_VECTOR_BYTES=16 keeps 16 bytes (profiling only).
+bool wide_forward_vectors() {
+  static const bool wide = [] {
+    const char* v = std::getenv("MUSPACE_BEV_POOL_V2_VECTOR_BYTES");
+    return v == nullptr || std::atoi(v) != 16;
+  }();
+  return wide;
 }
 
 int clamp_int(int64_t v) { return static_cast<int>(std::min<int64_t>(v, INT_MAX)); }
@@ -810,15 +1077,16 @@ void forward(Optional<TensorView> depth, TensorView feat, Optional<TensorView> r
   const int64_t out_bytes = out.numel() * element_bytes(out);
   if (n == 0) return launch_zero(data_of(out), out_bytes, device_id, s, "bev_pool_v2 fill (out)");
 
-  const int vec = pick_vec(element_bytes(feat), channels, {data_of(feat)});
+  const int vec = pick_vec(element_bytes(feat), channels, {data_of(feat)}, wide_forward_vectors());
   dispatch_float(feat, "feat", [&](auto tag) {
     using T = decltype(tag);
-    dispatch_vec<T>(vec, [&](auto vec_tag) {
+    dispatch_vec<T, true>(vec, [&](auto vec_tag) {
       constexpr int VEC = decltype(vec_tag)::value;
       const int tile_c = static_cast<int>(std::min<int64_t>(channels, kMaxLanes * VEC));
       const int window = window_cells_for(stage_elems<T, VEC>(), tile_c);
-      const int ppb =
-          points_per_block_for(n, n_cells, window, tile_c / VEC, device_id, points_per_block);
+      // pool_runs has at most kMaxSlots slots: as if each took >= kUnroll lanes.
+      const int ppb = points_per_block_for(n, n_cells, window, std::max(tile_c / VEC, kUnroll),
+                                           device_id, points_per_block);
       const dim3 grid(static_cast<unsigned>((n + ppb - 1) / ppb),
                       static_cast<unsigned>((channels / VEC + kMaxLanes - 1) / kMaxLanes));
       launch_zero(data_of(out), out_bytes, device_id, s, "bev_pool_v2 fill (out)");
@@ -972,8 +1240,8 @@ void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
       constexpr int VEC = decltype(vec_tag)::value;
       const int tile_c = static_cast<int>(std::min<int64_t>(channels, kMaxLanes * VEC));
       // No window here (rows are written whole): only the occupancy and slot bounds apply.
-      const int ppb =
-          points_per_block_for(n_sorted, n_keys, 0, tile_c / VEC, device_id, points_per_block);
+      const int ppb = points_per_block_for(n_sorted, n_keys, 0, std::max(tile_c / VEC, kUnroll),
+                                           device_id, points_per_block);
       const dim3 grid(static_cast<unsigned>((n_sorted + ppb - 1) / ppb),
                       static_cast<unsigned>((channels / VEC + kMaxLanes - 1) / kMaxLanes));
       const bool prezero = n_keys > kSparseKeysPerPoint * n_sorted;
@@ -1003,6 +1271,108 @@ void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
   });
 }
 
+// Backward in the frustum layout (see frustum_backward_kernel), for depth [B, N, D, H, W] and
+// feat [B, N, H, W, C]. Returns false, launching nothing, when that layout does not apply: other
+// shapes, or more than kMaxLanes channel vectors (C > 128 float32 / 256 16-bit channels).
+// - grad_rows [n_cells, C]: grad_out channels last, feat's dtype;
+// - point_of_depth int32 [depth.numel()]: workspace;
+// - grad_depth (depth's shape), grad_feat (feat's shape): every element written; feat's dtype or
+//   float32 (float32 with add_irregular);
+// - irregular int32 [1]: := 1 if some valid point is outside the layout (a repeated ranks_depth,
+//   or ranks_feat not its ray's row), else 0. Their terms are added with float32 atomics when
+//   add_irregular, else left out (the caller recomputes).
+bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
+                      TensorView ranks_depth, TensorView ranks_feat, TensorView ranks_bev,
+                      TensorView point_of_depth, TensorView grad_depth, TensorView grad_feat,
+                      TensorView irregular, bool add_irregular, int64_t stream) {
+  const Points pts = check_points(feat, "feat", Optional<TensorView>(depth),
+                                  Optional<TensorView>(ranks_depth), ranks_feat, ranks_bev);
+  const int64_t n = pts.n, channels = pts.channels;
+  check_input(grad_rows, "grad_rows", feat, feat.dtype());
+  check_ndim(grad_rows, "grad_rows", 2);
+  check_size(grad_rows, "grad_rows", 1, channels);
+  if (grad_rows.size(0) > kMaxCells) {
+    TVM_FFI_THROW(ValueError) << "grad_rows has " << grad_rows.size(0) << " cells; at most "
+                              << kMaxCells;
+  }
+  check_vector(point_of_depth, "point_of_depth", feat, kInt32, depth.numel());
+  check_vector(irregular, "irregular", feat, kInt32, 1);
+  check_device(grad_depth, "grad_depth", feat);
+  check_contiguous(grad_depth, "grad_depth");
+  check_same_shape(grad_depth, "grad_depth", depth, "depth");
+  check_device(grad_feat, "grad_feat", feat);
+  check_contiguous(grad_feat, "grad_feat");
+  check_same_shape(grad_feat, "grad_feat", feat, "feat");
+  check_aligned(grad_feat, "grad_feat", 16);  // row vector stores of up to 32 bytes
+  const bool out_f32 = same_dtype(grad_depth.dtype(), kFloat32);
+  if (!out_f32 && !same_dtype(grad_depth.dtype(), feat.dtype())) {
+    TVM_FFI_THROW(TypeError) << "grad_depth must be float32 or feat's dtype ("
+                             << dtype_name(feat.dtype()) << "), got "
+                             << dtype_name(grad_depth.dtype());
+  }
+  check_same_dtype(grad_feat, "grad_feat", grad_depth, "grad_depth");
+  if (add_irregular && !out_f32) {
+    TVM_FFI_THROW(TypeError) << "add_irregular needs float32 grad_depth / grad_feat, got "
+                             << dtype_name(grad_feat.dtype());
+  }
+  const bool frustum = depth.ndim() == 5 && feat.ndim() == 5 && depth.size(0) == feat.size(0) &&
+                       depth.size(1) == feat.size(1) && depth.size(3) == feat.size(2) &&
+                       depth.size(4) == feat.size(3) && depth.numel() <= INT_MAX;
+  const int vec = pick_vec(element_bytes(feat), channels,
+                           {data_of(feat), data_of(grad_rows), data_of(grad_feat)});
+  if (!frustum || channels == 0 || channels / vec > kMaxLanes) return false;
+  const int device_id = feat.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t s = as_stream(stream);
+  const int n_rows = static_cast<int>(feat.numel() / channels);
+  if (n_rows == 0) {  // no rows, no depth entries: nothing to write but the flag
+    launch_zero(data_of(irregular), 4, device_id, s, "bev_pool_v2 fill (irregular)");
+    return true;
+  }
+  const int bins = static_cast<int>(depth.size(2));
+  const int hw = static_cast<int>(depth.size(3) * depth.size(4));
+  const int n_depth = static_cast<int>(depth.numel());
+  const int n_cells = static_cast<int>(grad_rows.size(0));
+  launch_fill(data_of(point_of_depth), n_depth * int64_t{4}, fill_word(-1), device_id, s,
+              "bev_pool_v2 fill (point_of_depth)");
+  const int point_grid = grid_for(n, kThreads, device_id, 8);
+  frustum_points_kernel<<<point_grid, kThreads, 0, s>>>(
+      data_of<const int>(ranks_depth), data_of<const int>(ranks_feat),
+      data_of<const int>(ranks_bev), data_of<int>(point_of_depth), data_of<int>(irregular),
+      static_cast<int>(n), n_depth, n_rows, n_cells, bins * hw, hw);
+  check_launch("bev_pool_v2 frustum_points_kernel");
+  dispatch_float(feat, "feat", [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_vec<T>(vec, [&](auto vec_tag) {
+      constexpr int VEC = decltype(vec_tag)::value;
+      const dim3 grid(static_cast<unsigned>((n_rows + kFrustumRows - 1) / kFrustumRows));
+      auto launch = [&](auto out_tag) {
+        using TOut = decltype(out_tag);
+        frustum_backward_kernel<T, TOut, VEC><<<grid, kThreads, 0, s>>>(
+            data_of<const T>(grad_rows), data_of<const T>(depth), data_of<const T>(feat),
+            data_of<const int>(ranks_bev), data_of<const int>(point_of_depth),
+            data_of<TOut>(grad_depth), data_of<TOut>(grad_feat), n_rows, bins, hw,
+            static_cast<int>(channels));
+        check_launch("bev_pool_v2 frustum_backward_kernel");
+      };
+      if (out_f32) {
+        launch(float{});
+      } else {
+        launch(T{});
+      }
+      irregular_points_kernel<T><<<point_grid, kThreads, 0, s>>>(
+          data_of<const T>(grad_rows), data_of<const T>(depth), data_of<const T>(feat),
+          data_of<const int>(ranks_depth), data_of<const int>(ranks_feat),
+          data_of<const int>(ranks_bev), data_of<const int>(point_of_depth),
+          add_irregular ? data_of<float>(grad_depth) : nullptr,
+          add_irregular ? data_of<float>(grad_feat) : nullptr, data_of<int>(irregular),
+          static_cast<int>(n), n_depth, n_rows, n_cells, static_cast<int>(channels), bins * hw, hw);
+      check_launch("bev_pool_v2 irregular_points_kernel");
+    });
+  });
+  return true;
+}
+
 }  // namespace
 }  // namespace bev_pool_v2
 }  // namespace muspace
@@ -1011,3 +1381,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_forward, muspace::bev_pool_v2::forward
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_backward, muspace::bev_pool_v2::backward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_backward_feat_sorted,
                               muspace::bev_pool_v2::backward_feat_sorted);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_v2_backward_frustum, muspace::bev_pool_v2::backward_frustum);

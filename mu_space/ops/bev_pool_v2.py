@@ -7,17 +7,25 @@ Native path:
   by points. It sums the runs of equal ranks_bev, which is what the interval arrays describe; it
   does not read them (so inconsistent intervals are not caught there: `validate=True` checks
   them).
-- backward, default: grad_depth and grad_feat are accumulated with float32 atomics into float32
-  buffers (cast once for float16 / bfloat16). A grad_depth element receives one add per point
-  that indexes it, so with unique ranks_depth (what `bev_pool_prepare` gives) it is exact and
-  identical between runs; grad_feat's float32 rounding may differ between runs.
-- backward under `torch.use_deterministic_algorithms(True)`: grad_depth as in the default mode
-  when no depth entry is indexed by 3 or more points (then 0 + a + b has the same bits in any
-  order; checked once per ranks_depth tensor), else from per-point dot products summed by
-  torch's deterministic index_add; grad_feat groups the points by ranks_feat with
+- backward for the frustum layout (depth [B, N, D, H, W], feat [B, N, H, W, C], ranks as
+  `bev_pool_prepare` builds them; at most 32 channel vectors per row): grad_feat of each feat
+  row is a gather over its D depth entries, grad_depth of each entry a dot product, each
+  written once with fixed-order sums: no atomics, bit-identical reruns, no host sync. Points
+  outside that layout (a repeated ranks_depth, ranks_feat not the ray's row: hand-made ranks)
+  are found by a last pass: the default mode adds them with float32 atomics; under
+  `torch.use_deterministic_algorithms(True)` a flag read (one host synchronisation) sends such
+  calls to the sorted path below.
+- backward otherwise (depth=None, other shapes, wide C), default: grad_depth and grad_feat are
+  accumulated with float32 atomics into float32 buffers (cast once for float16 / bfloat16). A
+  grad_depth element receives one add per point that indexes it, so with unique ranks_depth it
+  is exact and identical between runs; grad_feat's float32 rounding may differ between runs.
+- backward otherwise, under `torch.use_deterministic_algorithms(True)`: grad_depth as in the
+  default mode when no depth entry is indexed by 3 or more points (then 0 + a + b has the same
+  bits in any order; checked once per ranks_depth tensor), else from per-point dot products
+  summed by torch's deterministic index_add; grad_feat groups the points by ranks_feat with
   `sort_by_cell` and sums each feat row in a fixed order, with no atomics. Bit-identical between
-  runs. The sort's output size depends on the data, so this mode synchronises with the
-  host once per backward (the default mode never does).
+  runs. The sort's output size depends on the data, so this mode synchronises with the host
+  once per backward.
 - no host synchronisation in forward or default backward; kernels run on the caller's current
   stream (CUDA-graph capturable).
 
@@ -44,7 +52,12 @@ from mu_space.runtime.device import stream_handle
 
 NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_DTYPES = (*NATIVE_DTYPES, torch.float64)
-ENTRY_POINTS = ("bev_pool_v2_forward", "bev_pool_v2_backward", "bev_pool_v2_backward_feat_sorted")
+ENTRY_POINTS = (
+    "bev_pool_v2_forward",
+    "bev_pool_v2_backward_frustum",
+    "bev_pool_v2_backward",
+    "bev_pool_v2_backward_feat_sorted",
+)
 
 # Profiling-only knob: points per block of the native kernels (0 = the launch policy's choice).
 _POINTS_PER_BLOCK = int(os.environ.get("MUSPACE_BEV_POOL_V2_POINTS_PER_BLOCK", "0") or 0)
@@ -413,6 +426,39 @@ def _sum_point_dots(dots, ranks_depth, depth):
     return acc[:numel].view(depth.shape).to(depth.dtype)
 
 
+def _backward_frustum(grad_out, depth, feat, ranks_depth, ranks_feat, ranks_bev, deterministic):
+    """(grad_depth, grad_feat) by the frustum-layout kernels, or None where they do not apply
+    (shapes other than depth [B, N, D, H, W] / feat [B, N, H, W, C], more than 32 channel
+    vectors) or, in the deterministic mode, where some point is outside the layout (one host
+    synchronisation reads that flag). The default mode adds such points with float32 atomics."""
+    C = feat.shape[-1]
+    grad_rows = grad_out.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous()
+    # float32 outputs where atomics may add to them (default mode); else feat's dtype directly.
+    out_dtype = feat.dtype if deterministic else torch.float32
+    device = feat.device
+    point_of_depth = torch.empty(depth.numel(), dtype=torch.int32, device=device)
+    irregular = torch.empty(1, dtype=torch.int32, device=device)
+    grad_depth = torch.empty(depth.shape, dtype=out_dtype, device=device)
+    grad_feat = torch.empty(feat.shape, dtype=out_dtype, device=device)
+    covered = native.function("bev_pool_v2_backward_frustum")(
+        grad_rows,
+        depth,
+        feat,
+        ranks_depth,
+        ranks_feat,
+        ranks_bev,
+        point_of_depth,
+        grad_depth,
+        grad_feat,
+        irregular,
+        not deterministic,
+        stream_handle(feat),
+    )
+    if not covered or (deterministic and bool(irregular[0])):
+        return None
+    return grad_depth.to(depth.dtype), grad_feat.to(feat.dtype)
+
+
 def _backward_native(
     c, grad_out, depth, feat, ranks_depth, ranks_feat, ranks_bev, *_rest, needs, deterministic
 ):
@@ -424,6 +470,13 @@ def _backward_native(
     feat, ranks_feat, ranks_bev = _contiguous(feat, ranks_feat, ranks_bev)
     if depth is not None:
         depth, ranks_depth = _contiguous(depth, ranks_depth)
+        grads = _backward_frustum(
+            grad_out, depth, feat, ranks_depth, ranks_feat, ranks_bev, deterministic
+        )
+        if grads is not None:
+            return (grads[0] if need_depth else None), (grads[1] if need_feat else None)
+    # Not covered by the frustum kernels: without depth (no ranks_depth, so no frustum entry of
+    # a point), other shapes, wide C, or a deterministic call with points outside the layout.
     stream = stream_handle(feat)
     backward = native.function("bev_pool_v2_backward")
     f32 = torch.float32

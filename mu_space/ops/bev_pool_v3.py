@@ -31,6 +31,7 @@ _ENTRY_POINTS = (
     "sort_by_cell_forward",
     "bev_pool_sort_workspace_ints",
     "bev_pool_v2_forward",
+    "bev_pool_v2_backward_frustum",
     "bev_pool_v2_backward",
     "bev_pool_v2_backward_feat_sorted",
 )

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 NOT_FOUND = 2**31 - 1
+UNROLL = 4  # kUnroll: points per slot and batch (one staged record each)
 
 
 def _run_start(keys, j):
@@ -94,7 +95,7 @@ def segmented_pool(
                 if not zero_filled and 0 <= x - z0 < bitmap_bits:
                     bitmap.add(x - z0)
 
-        S = threads // lanes
+        S = min(threads // lanes, threads // UNROLL)  # pool_runs: at most kMaxSlots slots
         n_own = q1 - q0
         K = -(-n_own // S)
         part, flags, pending = {}, {}, {}
@@ -149,3 +150,80 @@ def segmented_pool(
                     writes[start + d] += 1
             start += bitmap_bits
     return out, writes, crossings
+
+
+def frustum_backward(grad_rows, depth, feat, ranks_depth, ranks_feat, ranks_bev, *, lanes):
+    """Model of the frustum-layout backward (frustum_points_kernel, frustum_backward_kernel,
+    irregular_points_kernel with add=True): its index arithmetic per block, round, staged entry
+    and slot. depth [B, N, D, H, W], feat [B, N, H, W, C] float64 arrays, grad_rows [cells, C].
+    Returns (grad_depth, grad_feat, irregular, entry_writes: how often each depth entry was
+    written by the gather)."""
+    threads, rows_per_block = 256, 4
+    bins, hw = depth.shape[2], depth.shape[3] * depth.shape[4]
+    C = feat.shape[-1]
+    rows = feat.reshape(-1, C)
+    w_flat = depth.reshape(-1)
+    n_rows, n_depth, n_cells = rows.shape[0], w_flat.shape[0], grad_rows.shape[0]
+    rd, rf, rb = (np.asarray(x, dtype=np.int64) for x in (ranks_depth, ranks_feat, ranks_bev))
+
+    def frustum_row(k):
+        return (k // (bins * hw)) * hw + k % hw
+
+    valid = (rd >= 0) & (rd < n_depth) & (rf >= 0) & (rf < n_rows) & (rb >= 0) & (rb < n_cells)
+    point_of_depth = np.full(n_depth, -1, dtype=np.int64)
+    for i in np.nonzero(valid & (rf == frustum_row(np.where(valid, rd, 0))))[0]:
+        point_of_depth[rd[i]] = i
+    grad_depth = np.full(n_depth, np.nan)
+    grad_feat = np.full((n_rows, C), np.nan)
+    writes = np.zeros(n_depth, dtype=np.int64)
+    S = min(threads // lanes, threads // UNROLL)
+    P = S // rows_per_block
+    per_round = P * UNROLL
+    entries = rows_per_block * per_round
+    assert entries <= threads
+    for row0 in range(0, n_rows, rows_per_block):
+        acc = {}  # (local_row, sub) -> partial grad_feat row
+        for d0 in range(0, bins, per_round):
+            cell = np.full(entries, -1)
+            weight = np.zeros(entries)
+            ks = {}
+            for e in range(entries):
+                r, d = row0 + e % rows_per_block, d0 + e // rows_per_block
+                if r >= n_rows or d >= bins:
+                    continue
+                k = ((r // hw) * bins + d) * hw + r % hw
+                ks[e] = k
+                i = point_of_depth[k]
+                if i >= 0:
+                    cell[e], weight[e] = rb[i], w_flat[k]
+            dots = {}
+            for slot in range(rows_per_block * P):
+                local_row, sub = slot % rows_per_block, slot // rows_per_block
+                row = row0 + local_row
+                if row >= n_rows:
+                    continue
+                a = acc.setdefault((local_row, sub), np.zeros(C))
+                e0 = sub * UNROLL * rows_per_block + local_row
+                for u in range(UNROLL):
+                    e = e0 + u * rows_per_block
+                    g = grad_rows[cell[e]] if cell[e] >= 0 else np.zeros(C)
+                    a += weight[e] * g
+                    dots[(slot, u)] = float(g @ rows[row])
+            for e, k in ks.items():
+                b = e // rows_per_block
+                es = (b // UNROLL) * rows_per_block + e % rows_per_block
+                grad_depth[k] = dots[(es, b % UNROLL)] if cell[e] >= 0 else 0.0
+                writes[k] += 1
+        for local_row in range(rows_per_block):
+            row = row0 + local_row
+            if row < n_rows:
+                grad_feat[row] = sum(acc[(local_row, p)] for p in range(P))
+    irregular = False
+    for i in np.nonzero(valid)[0]:
+        if rf[i] == frustum_row(rd[i]) and point_of_depth[rd[i]] == i:
+            continue
+        irregular = True
+        g = grad_rows[rb[i]]
+        grad_depth[rd[i]] += float(g @ rows[rf[i]])
+        grad_feat[rf[i]] += w_flat[rd[i]] * g
+    return grad_depth.reshape(depth.shape), grad_feat.reshape(feat.shape), irregular, writes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -583,6 +584,33 @@ def test_kernel_model_deterministic_grad_feat(with_depth):
     np.testing.assert_allclose(out, want.reshape(-1, C).numpy(), atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("lanes", [16, 20, 5, 1, 32])
+@pytest.mark.parametrize("irregular", [False, True])
+def test_kernel_model_frustum_backward(lanes, irregular):
+    """The frustum backward's index arithmetic (blocks of 4 rows, rounds of P*4 bins, staged
+    entries, slot <-> entry maps) on real geometry: every depth entry written exactly once,
+    both gradients equal the reference; irregular points (shared ranks_depth, moved ranks_feat,
+    bad ranks) are flagged and added."""
+    args = list(make_inputs("tiny", batch=2, dtype=torch.float64, seed=lanes))
+    if irregular:
+        rd, rf = args[2].clone(), args[3].clone()
+        rd[10:40] = rd[11:41].clone()
+        rf[100:130] = (rf[100:130] + 3) % (args[1].numel() // args[1].shape[-1])
+        rd[200:210] = -1
+        args[2], args[3] = rd, rf
+    B, Z, Y, X, C = args[5]
+    g = torch.randn(B, C, Z, Y, X, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grad_rows = g.permute(0, 2, 3, 4, 1).reshape(-1, C).numpy()
+    gd, gf, flagged, writes = model.frustum_backward(
+        grad_rows, args[0].numpy(), args[1].numpy(), *(t.numpy() for t in args[2:5]), lanes=lanes
+    )
+    assert (writes == 1).all()
+    assert flagged == irregular
+    want_d, want_f = bev_pool_v2_backward_reference(g, *args)
+    np.testing.assert_allclose(gd, want_d.numpy(), atol=1e-12, rtol=1e-12)
+    np.testing.assert_allclose(gf, want_f.numpy(), atol=1e-12, rtol=1e-12)
+
+
 # ---------------------------------------------------------------- native (GPU) tests
 # Tolerances (native vs reference on the same inputs, both accumulating in float32): float32
 # differs only by summation order (intervals of up to ~500 terms of O(1)): 1e-5 abs + rel;
@@ -671,6 +699,57 @@ def test_native_channel_tiles_forward_and_backward(dtype, channels, deterministi
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("channels", [4, 8, 16, 24, 40, 136])
+def test_native_forward_lane_layouts(dtype, channels):
+    """The forward's slots of G = C / vector lanes: G below the 4 points staged per slot and
+    batch (1-3 lanes: lanes load several records), G not a power of two (3, 5, 17), slots capped
+    at 64 (G < 4 leaves threads idle); float32 rows in 32-byte vectors."""
+    device = native_gpu_device()
+    args = make_inputs("bevdet-r50", channels=channels, dtype=dtype, device=device, seed=channels)
+    out = poisoned(_out_shape(args), dtype, device)
+    _native_forward(args, out)
+    assert_close(out, bev_pool_v2_reference(*args), **tolerance(dtype))
+
+
+@pytest.mark.gpu
+def test_native_forward_16_byte_aligned_feat_uses_narrower_vectors():
+    """feat 16- but not 32-byte aligned: float32 rows fall back from 32- to 16-byte vectors."""
+    device = native_gpu_device()
+    args = list(make_inputs("bevdet-r50", channels=64, device=device))
+    storage = torch.empty(args[1].numel() + 4, device=device)
+    feat = storage[4:].view(args[1].shape)
+    assert feat.data_ptr() % 32 == 16
+    feat.copy_(args[1])
+    args[1] = feat
+    out = poisoned(_out_shape(args), torch.float32, device)
+    _native_forward(args, out)
+    assert_close(out, bev_pool_v2_reference(*args), **tolerance(torch.float32))
+
+
+@pytest.mark.gpu
+def test_native_forward_vector_bytes_knob_keeps_results():
+    """MUSPACE_BEV_POOL_V2_VECTOR_BYTES=16 (profiling: 16-byte float32 rows instead of 32) is
+    read once per process, so it runs in a child process."""
+    import os
+    import subprocess
+
+    device = native_gpu_device()
+    code = (
+        "import torch, sys\n"
+        "from tests.ops.test_bev_pool_v2 import make_inputs, _out_shape\n"
+        "from mu_space.ops.bev_pool_v2 import bev_pool_v2, bev_pool_v2_reference\n"
+        f"args = make_inputs('bevdet-r50-d88', device='{device}')\n"
+        "out = bev_pool_v2(*args, backend='native')\n"
+        "err = (out - bev_pool_v2_reference(*args)).abs().max().item()\n"
+        "sys.exit(0 if err < 1e-4 else 1)\n"
+    )
+    env = dict(os.environ, MUSPACE_BEV_POOL_V2_VECTOR_BYTES="16")
+    root = str(Path(__file__).resolve().parents[2])
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=300)
+
+
+@pytest.mark.gpu
 def test_native_forward_unaligned_feat_falls_back_to_scalar_loads():
     device = native_gpu_device()
     args = list(make_inputs("tiny", channels=64, device=device))
@@ -737,6 +816,147 @@ def test_native_backward_matches_reference(dtype, config, channels, batch, deter
     assert_close(got_d, want_d, **tol, name="grad_depth")
 
 
+def _frustum_entry(grad, args, out_dtype, add_irregular, *, poison=True):
+    """bev_pool_v2_backward_frustum called directly, every output poisoned first."""
+    depth, feat, rd, rf, rb = args[:5]
+    device, C = feat.device, feat.shape[-1]
+    grad_rows = grad.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous()
+    point_of_depth = torch.full((depth.numel(),), 12345, dtype=torch.int32, device=device)
+    irregular = torch.full((1,), -7, dtype=torch.int32, device=device)
+    gd = poisoned(depth.shape, out_dtype, device)
+    gf = poisoned(feat.shape, out_dtype, device)
+    covered = native.function("bev_pool_v2_backward_frustum")(
+        grad_rows,
+        depth,
+        feat,
+        rd,
+        rf,
+        rb,
+        point_of_depth,
+        gd,
+        gf,
+        irregular,
+        add_irregular,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    return covered, gd, gf, int(irregular[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("config,channels", [("bevdet-r50", 64), ("bevdet-d118", 80), ("tiny", 5)])
+def test_native_frustum_backward_writes_every_element(dtype, config, channels):
+    """The frustum entry point on bev_pool_prepare's ranks: every gradient element written (the
+    outputs start as NaN; entries of dropped frustum points get 0), no point irregular."""
+    device = native_gpu_device()
+    args = make_inputs(config, channels=channels, dtype=dtype, device=device, seed=3)
+    g = torch.randn(_out_shape(args), device=device).to(dtype)
+    want_d, want_f = bev_pool_v2_backward_reference(g, *args)
+    tol = tolerance(dtype, "bev_pool_v2")
+    for out_dtype, add in ((dtype, False), (torch.float32, True)):
+        covered, gd, gf, irregular = _frustum_entry(g, args, out_dtype, add)
+        assert covered and irregular == 0
+        assert_close(gf.to(dtype), want_f, **tol, name="grad_feat")
+        assert_close(gd.to(dtype), want_d, **tol, name="grad_depth")
+    assert args[2].numel() < args[0].numel()  # some frustum points were dropped
+
+
+@pytest.mark.gpu
+def test_native_frustum_backward_declines_other_layouts():
+    """Not the frustum layout (flat depth, or > 32 channel vectors): nothing launched, False."""
+    device = native_gpu_device()
+    args = list(make_inputs("tiny", channels=64, device=device))
+    g = torch.randn(_out_shape(args), device=device)
+    flat = list(args)
+    flat[0] = args[0].reshape(-1)
+    assert not _frustum_entry(g, flat, torch.float32, True)[0]
+    wide = make_inputs("tiny", channels=300, device=device)
+    assert not _frustum_entry(
+        torch.randn(_out_shape(wide), device=device), wide, torch.float32, True
+    )[0]
+
+
+def _irregular_inputs(dtype, device):
+    """bevdet-r50 ranks with points outside the frustum layout: some depth entries shared by 2
+    or 3 points, some ranks_feat moved to another row, some points made bad (rank -1)."""
+    args = list(make_inputs("bevdet-r50", channels=64, dtype=dtype, device=device, seed=5))
+    n = args[4].numel()
+    gen = torch.Generator().manual_seed(7)
+    rd, rf = args[2].clone(), args[3].clone()
+    pick = torch.randint(0, n - 2, (n // 50,), generator=gen).to(device)
+    rd[pick] = rd[pick + 1]  # shared by 2 (or 3 where picks are adjacent)
+    rd[pick[:50] + 2] = rd[pick[:50] + 1]
+    moved = torch.randint(0, n, (n // 50,), generator=gen).to(device)
+    rf[moved] = (rf[moved] + 17) % _bev_feat_rows(args[1])
+    bad = torch.randint(0, n, (n // 100,), generator=gen).to(device)
+    rd[bad] = -1
+    args[2], args[3] = rd, rf
+    return args
+
+
+def _bev_feat_rows(feat):
+    return feat.numel() // feat.shape[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_native_backward_with_points_outside_the_frustum_layout(dtype, deterministic):
+    """Irregular points: the default mode adds them with atomics, the deterministic mode sees
+    the flag and takes the sorted path; both equal the reference."""
+    device = native_gpu_device()
+    args = _irregular_inputs(dtype, device)
+    g = torch.randn(_out_shape(args), device=device).to(dtype)
+    assert _frustum_entry(g, args, torch.float32, True)[3] == 1
+    want_d, want_f = bev_pool_v2_backward_reference(g, *args)
+    got_d, got_f = backward(g, args, True, True, deterministic, "native")
+    tol = tolerance(dtype, "bev_pool_v2")
+    assert_close(got_f, want_f, **tol, name="grad_feat")
+    assert_close(got_d, want_d, **tol, name="grad_depth")
+    if deterministic:
+        again = backward(g, args, True, True, deterministic, "native")
+        assert torch.equal(again[0], got_d) and torch.equal(again[1], got_f)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("config", ["bevdet-r50", "bevdet-r50-d88"])
+def test_native_default_backward_is_bit_identical_between_runs(dtype, config):
+    """On bev_pool_prepare's ranks the default backward has no float atomics (frustum layout):
+    two runs give the same bits, and the deterministic mode the same values."""
+    device = native_gpu_device()
+    args = make_inputs(config, dtype=dtype, device=device, seed=11)
+    g = torch.randn(_out_shape(args), device=device).to(dtype)
+    first = backward(g, args, True, True, False, "native")
+    second = backward(g, args, True, True, False, "native")
+    det = backward(g, args, True, True, True, "native")
+    for a, b, c in zip(first, second, det):
+        assert torch.equal(a, b)
+        assert_close(c, a, **tolerance(dtype, "bev_pool_v2"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_native_backward_on_padded_ranks(deterministic):
+    """bev_pool_prepare_padded's tail (ranks -1, keys above every cell) gets no gradient."""
+    device = native_gpu_device()
+    padded, plain = (
+        tuple(
+            a.to(device).float()
+            if isinstance(a, torch.Tensor) and a.is_floating_point()
+            else (a.to(device) if isinstance(a, torch.Tensor) else a)
+            for a in args
+        )
+        for args in _padded_inputs()
+    )
+    g = torch.randn(_out_shape(plain), device=device)
+    want_d, want_f = bev_pool_v2_backward_reference(g, *plain)
+    got_d, got_f = backward(g, padded, True, True, deterministic, "native")
+    tol = tolerance(torch.float32, "bev_pool_v2")
+    assert_close(got_f, want_f, **tol, name="grad_feat")
+    assert_close(got_d, want_d, **tol, name="grad_depth")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_native_backward_without_depth(deterministic):
@@ -789,9 +1009,10 @@ def test_cuda_graph_capture_of_forward_and_backward():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("corruption", ["negative", "huge", "unsorted", "garbage_intervals"])
-def test_bad_indices_never_crash_and_validate_raises(corruption):
+@pytest.mark.parametrize("channels", [67, 64])  # 64: the frustum backward; 67: point kernels
+def test_bad_indices_never_crash_and_validate_raises(corruption, channels):
     device = native_gpu_device()
-    args = list(make_inputs("bevdet-r50", batch=2, channels=67, device=device))
+    args = list(make_inputs("bevdet-r50", batch=2, channels=channels, device=device))
     gen = torch.Generator(device="cpu").manual_seed(0)
     n = args[4].numel()
     idx = torch.randint(0, n, (n // 10,), generator=gen).to(device)
