@@ -1,0 +1,301 @@
+// bev_pool (BEVFusion): the two native steps of its own around the shared sort and pooling.
+//
+//   bev_pool_cells_forward   coords [n, 4] (x, y, z, b) -> cells [n] int32, one pass:
+//                            cell = ((b*D + z)*H + x)*W + y, -1 when any coordinate is outside
+//                            its dimension (per column: y == W does not wrap into the next row).
+//   bev_pool_rows_backward   grad_out [B, C, Z, Y, X] -> grad_feat [n, C], row i = the output
+//                            gradient at cells[i] (0 for a cell outside [0, B*Z*Y*X)). Two
+//                            kernels: a tile transpose of grad_out into channels-last rows
+//                            [B*Z*Y*X, C] (a caller-given buffer), then a gather that writes
+//                            grad_feat once, in row order, with coalesced stores. Each row has
+//                            one cell, so there are no atomics: deterministic and exact (the
+//                            elements are moved as raw bits, in every dtype).
+#include <tvm/ffi/function.h>
+
+#include <cstdint>
+
+#include "checks.muh"
+#include "dispatch.muh"
+#include "gpu_compat.muh"
+#include "launch.muh"
+
+namespace muspace {
+namespace {
+
+// ------------------------------------------------------------------------- launch policy
+
+constexpr int kBlock = 256;            // threads of the cells and gather kernels
+constexpr int kCellsBlocksPerSm = 8;   // grid cap of the grid-stride cells kernel
+constexpr int kTile = 32;              // transpose tile: kTile channels x kTile cells
+constexpr int kTileRows = 8;           // transpose block: kTile x kTileRows threads
+constexpr int32_t kChunkWords = 4096;  // words of grad_feat per gather block (16 per thread)
+constexpr int kMaxGridY = 65535;
+constexpr int kMaxGridZ = 65535;
+constexpr int64_t kInt32Max = 2147483647;
+
+// ------------------------------------------------------------------------- coords -> cells
+
+struct Dims {
+  int32_t B, D, H, W;
+};
+
+template <typename Index>
+struct Coord4 {
+  Index x, y, z, b;
+};
+
+// One point's 4 coordinates. kVector: coords is 16-byte aligned, so a row of int32 is one
+// 16-byte load and a row of int64 two (the int64 halves are joined, little-endian).
+template <bool kVector>
+__device__ __forceinline__ Coord4<int32_t> load_coord(const int32_t* p) {
+  if constexpr (kVector) {
+    const int4 v = *reinterpret_cast<const int4*>(p);
+    return {v.x, v.y, v.z, v.w};
+  } else {
+    return {p[0], p[1], p[2], p[3]};
+  }
+}
+
+__device__ __forceinline__ int64_t join_int64(int32_t lo, int32_t hi) {
+  return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 32) |
+                              static_cast<uint64_t>(static_cast<uint32_t>(lo)));
+}
+
+template <bool kVector>
+__device__ __forceinline__ Coord4<int64_t> load_coord(const int64_t* p) {
+  if constexpr (kVector) {
+    const int4 a = *reinterpret_cast<const int4*>(p);
+    const int4 b = *reinterpret_cast<const int4*>(p + 2);
+    return {join_int64(a.x, a.y), join_int64(a.z, a.w), join_int64(b.x, b.y), join_int64(b.z, b.w)};
+  } else {
+    return {p[0], p[1], p[2], p[3]};
+  }
+}
+
+template <typename Index, bool kVector>
+__global__ void __launch_bounds__(kBlock)
+    coords_to_cells_kernel(const Index* __restrict__ coords, int64_t n, Dims dims,
+                           int32_t* __restrict__ cells) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const Coord4<Index> p = load_coord<kVector>(coords + 4 * i);
+    const bool inside = p.x >= 0 && p.x < dims.H && p.y >= 0 && p.y < dims.W && p.z >= 0 &&
+                        p.z < dims.D && p.b >= 0 && p.b < dims.B;
+    // inside: every partial product is below B*D*H*W <= INT32_MAX (checked on the host)
+    const int32_t cell =
+        ((static_cast<int32_t>(p.b) * dims.D + static_cast<int32_t>(p.z)) * dims.H +
+         static_cast<int32_t>(p.x)) *
+            dims.W +
+        static_cast<int32_t>(p.y);
+    cells[i] = inside ? cell : -1;
+  }
+}
+
+// ------------------------------------------------------------------------- backward
+
+// rows[b, s, c] = grad[b, c, s] (s: the flat Z*Y*X cell of batch b), Word = the element's bits.
+// Reads run along s and writes along c, both through one padded shared tile.
+template <typename Word>
+__global__ void __launch_bounds__(kTile* kTileRows)
+    channels_last_kernel(const Word* __restrict__ grad, int64_t batches, int32_t channels,
+                         int64_t spatial, Word* __restrict__ rows) {
+  __shared__ Word tile[kTile][kTile + 1];
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  // block-uniform loops: every thread takes every barrier
+  for (int64_t b = blockIdx.z; b < batches; b += gridDim.z) {
+    const Word* src = grad + b * channels * spatial;
+    Word* dst = rows + b * spatial * channels;
+    for (int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTile; c0 < channels;
+         c0 += static_cast<int64_t>(gridDim.y) * kTile) {
+      for (int r = threadIdx.y; r < kTile; r += kTileRows) {
+        const int64_t c = c0 + r, s = s0 + threadIdx.x;
+        if (c < channels && s < spatial) tile[r][threadIdx.x] = src[c * spatial + s];
+      }
+      __syncthreads();
+      for (int r = threadIdx.y; r < kTile; r += kTileRows) {
+        const int64_t s = s0 + r, c = c0 + threadIdx.x;
+        if (c < channels && s < spatial) dst[s * channels + c] = tile[threadIdx.x][r];
+      }
+      __syncthreads();  // the tile is refilled by the next round
+    }
+  }
+}
+
+// out[i] = rows[cells[i]] (words_per_row Words each), zeros for a cell outside [0, n_cells).
+// A block writes rows_per_chunk consecutive rows of out: consecutive threads, consecutive words.
+template <typename Word, typename Index>
+__global__ void __launch_bounds__(kBlock)
+    gather_rows_kernel(const Word* __restrict__ rows, const Index* __restrict__ cells, int64_t n,
+                       int64_t n_cells, int32_t words_per_row, int32_t rows_per_chunk,
+                       Word* __restrict__ out) {
+  const int32_t chunk_words = rows_per_chunk * words_per_row;
+  // (row, word) of thread t's j-th word, stepped without a division per word
+  const int32_t row_step = kBlock / words_per_row, word_step = kBlock % words_per_row;
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_chunk; row0 < n;
+       row0 += static_cast<int64_t>(gridDim.x) * rows_per_chunk) {
+    int32_t q = static_cast<int32_t>(threadIdx.x) / words_per_row;
+    int32_t w = static_cast<int32_t>(threadIdx.x) % words_per_row;
+#pragma unroll 4
+    for (int32_t j = threadIdx.x; j < chunk_words; j += kBlock) {
+      const int64_t row = row0 + q;
+      if (row < n) {
+        const int64_t cell = static_cast<int64_t>(cells[row]);
+        Word v{};
+        if (cell >= 0 && cell < n_cells) v = rows[cell * words_per_row + w];
+        out[row * words_per_row + w] = v;
+      }
+      q += row_step;
+      w += word_step;
+      if (w >= words_per_row) {
+        w -= words_per_row;
+        ++q;
+      }
+    }
+  }
+}
+
+template <typename Word>
+void launch_backward(const TensorView& grad_out, const TensorView& cells, const TensorView& rows,
+                     const TensorView& grad_feat, int64_t n, int64_t channels, int64_t n_cells,
+                     int device_id, gpuStream_t stream) {
+  const int64_t batches = grad_out.size(0);
+  const int64_t spatial = batches > 0 ? n_cells / batches : 0;
+  const int64_t element = element_bytes(grad_out);
+  if (n_cells > 0) {
+    // the transpose moves elements (2 or 4 bytes): Word of that size
+    const int64_t s_tiles = (spatial + kTile - 1) / kTile;
+    const int64_t c_tiles = (channels + kTile - 1) / kTile;
+    const dim3 grid(static_cast<unsigned>(s_tiles),
+                    static_cast<unsigned>(c_tiles < kMaxGridY ? c_tiles : kMaxGridY),
+                    static_cast<unsigned>(batches < kMaxGridZ ? batches : kMaxGridZ));
+    const dim3 block(kTile, kTileRows);
+    if (element == 4) {
+      channels_last_kernel<uint32_t><<<grid, block, 0, stream>>>(
+          data_of<const uint32_t>(grad_out), batches, static_cast<int32_t>(channels), spatial,
+          data_of<uint32_t>(rows));
+    } else {
+      channels_last_kernel<uint16_t><<<grid, block, 0, stream>>>(
+          data_of<const uint16_t>(grad_out), batches, static_cast<int32_t>(channels), spatial,
+          data_of<uint16_t>(rows));
+    }
+    check_launch("bev_pool_rows_backward channels_last_kernel");
+  }
+  const int64_t words_per_row = channels * element / static_cast<int64_t>(sizeof(Word));
+  const int32_t rows_per_chunk =
+      static_cast<int32_t>(words_per_row >= kChunkWords ? 1 : kChunkWords / words_per_row);
+  const int64_t chunks = (n + rows_per_chunk - 1) / rows_per_chunk;
+  const int blocks = grid_for(chunks, 1, device_id, 0);
+  dispatch_index(cells, "cells", [&](auto tag) {
+    using I = decltype(tag);
+    gather_rows_kernel<Word, I><<<blocks, kBlock, 0, stream>>>(
+        data_of<const Word>(rows), data_of<const I>(cells), n, n_cells,
+        static_cast<int32_t>(words_per_row), rows_per_chunk, data_of<Word>(grad_feat));
+  });
+  check_launch("bev_pool_rows_backward gather_rows_kernel");
+}
+
+int64_t checked_dim(int64_t v, const char* name) {
+  if (v < 0 || v > kInt32Max) {
+    TVM_FFI_THROW(ValueError) << name << " must be in [0, " << kInt32Max << "], got " << v;
+  }
+  return v;
+}
+
+// --------------------------------------------------------------------------- entry points
+
+// coords [n, 4] int32/int64 (x, y, z, batch) -> cells [n] int32 in a (B, D, H, W) grid with
+// B*D*H*W <= INT32_MAX. Nothing is launched when n == 0.
+void bev_pool_cells_forward(TensorView coords, TensorView cells, int64_t B, int64_t D, int64_t H,
+                            int64_t W, int64_t stream) {
+  check_gpu_tensor(coords, "coords");
+  check_index_dtype(coords, "coords");
+  check_contiguous(coords, "coords");
+  check_ndim(coords, "coords", 2);
+  check_size(coords, "coords", 1, 4);
+  const int64_t n = coords.size(0);
+  check_vector(cells, "cells", coords, kInt32, n);
+  const int64_t dims_in[4] = {B, D, H, W};
+  const char* const names[4] = {"B", "D", "H", "W"};
+  bool empty = false;
+  for (int k = 0; k < 4; ++k) empty |= checked_dim(dims_in[k], names[k]) == 0;
+  int64_t n_cells = 1;
+  for (int k = 0; k < 4 && !empty; ++k) {
+    if (n_cells > kInt32Max / dims_in[k]) {
+      TVM_FFI_THROW(ValueError) << "B*D*H*W = " << B << "*" << D << "*" << H << "*" << W
+                                << " cells exceeds the int32 range of cells (" << kInt32Max << ")";
+    }
+    n_cells *= dims_in[k];
+  }
+  if (n == 0) return;
+
+  DeviceGuard guard(coords.device().device_id);
+  const Dims dims{static_cast<int32_t>(B), static_cast<int32_t>(D), static_cast<int32_t>(H),
+                  static_cast<int32_t>(W)};
+  const int blocks = grid_for(n, kBlock, coords.device().device_id, kCellsBlocksPerSm);
+  const bool vector = is_aligned(coords, 16);
+  dispatch_index(coords, "coords", [&](auto tag) {
+    using I = decltype(tag);
+    dispatch_bools(
+        [&](auto vec) {
+          coords_to_cells_kernel<I, decltype(vec)::value><<<blocks, kBlock, 0, as_stream(stream)>>>(
+              data_of<const I>(coords), n, dims, data_of<int32_t>(cells));
+        },
+        vector);
+  });
+  check_launch("bev_pool_cells_forward coords_to_cells_kernel");
+}
+
+// grad_out [B, C, Z, Y, X] float32/float16/bfloat16, cells [n] int32/int64 -> grad_feat [n, C]
+// (grad_out's dtype); rows [B*Z*Y*X, C] (grad_out's dtype) is scratch for the channels-last copy.
+void bev_pool_rows_backward(TensorView grad_out, TensorView cells, TensorView rows,
+                            TensorView grad_feat, int64_t stream) {
+  check_gpu_tensor(grad_out, "grad_out");
+  check_float_dtype<Bf16::kBits>(grad_out, "grad_out");
+  check_contiguous(grad_out, "grad_out");
+  check_ndim(grad_out, "grad_out", 5);
+  check_index_input(cells, "cells", grad_out);
+  check_ndim(cells, "cells", 1);
+  const int64_t n = cells.size(0);
+  const int64_t channels = grad_out.size(1);
+  const int64_t n_cells = grad_out.size(0) * grad_out.size(2) * grad_out.size(3) * grad_out.size(4);
+  check_like(rows, "rows", grad_out, "grad_out");
+  check_ndim(rows, "rows", 2);
+  check_size(rows, "rows", 0, n_cells);
+  check_size(rows, "rows", 1, channels);
+  check_like(grad_feat, "grad_feat", grad_out, "grad_out");
+  check_ndim(grad_feat, "grad_feat", 2);
+  check_size(grad_feat, "grad_feat", 0, n);
+  check_size(grad_feat, "grad_feat", 1, channels);
+  if (n_cells > kInt32Max) {
+    TVM_FFI_THROW(ValueError) << "grad_out has " << n_cells << " cells (B*Z*Y*X); at most "
+                              << kInt32Max << " are supported";
+  }
+  const int64_t row_bytes = channels * element_bytes(grad_out);
+  if (row_bytes > kInt32Max) {
+    TVM_FFI_THROW(ValueError) << "grad_out has " << channels << " channels; a row of at most "
+                              << kInt32Max << " bytes is supported";
+  }
+  if (n == 0 || channels == 0) return;
+
+  const int device_id = grad_out.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t s = as_stream(stream);
+  // the widest word that divides a row and that both row arrays are aligned to
+  auto fits = [&](int bytes) {
+    return row_bytes % bytes == 0 && is_aligned(rows, bytes) && is_aligned(grad_feat, bytes);
+  };
+  if (fits(16)) {
+    launch_backward<uint4>(grad_out, cells, rows, grad_feat, n, channels, n_cells, device_id, s);
+  } else if (fits(8)) {
+    launch_backward<uint2>(grad_out, cells, rows, grad_feat, n, channels, n_cells, device_id, s);
+  } else if (fits(4)) {
+    launch_backward<uint32_t>(grad_out, cells, rows, grad_feat, n, channels, n_cells, device_id, s);
+  } else {
+    launch_backward<uint16_t>(grad_out, cells, rows, grad_feat, n, channels, n_cells, device_id, s);
+  }
+}
+
+}  // namespace
+}  // namespace muspace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_cells_forward, muspace::bev_pool_cells_forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_rows_backward, muspace::bev_pool_rows_backward);
