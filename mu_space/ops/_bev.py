@@ -5,11 +5,14 @@ bev_pool_rows share. Operator modules import these; no op imports another op's p
 from __future__ import annotations
 
 import operator
+import os
 from typing import NamedTuple
 
 import torch
 
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
+from mu_space.runtime import native
+from mu_space.runtime.device import stream_handle
 
 INT32_MAX = 2**31 - 1  # int32 ranks / cells address at most this many
 
@@ -251,6 +254,48 @@ def row_gather_grad(grad_out: torch.Tensor, cells: torch.Tensor, grid: Grid) -> 
     rows[:n_cells].view(B, Z, Y, X, C).copy_(grad_out.permute(0, 2, 3, 4, 1))
     rows[n_cells].zero_()
     return rows.index_select(0, torch.where((cells >= 0) & (cells < n_cells), cells, n_cells))
+
+
+# ------------------------------------------------------------------ bev_pool's own kernels
+
+# csrc/bev/bev_pool_musa.mu (the fused cells and the row-gather backward): "" once they have
+# passed the GPU suite. Until then `auto` takes the PyTorch versions (MUSPACE_TRY_UNVERIFIED=1,
+# as the GPU sessions set it, runs the kernels; backend="native" / "cuda" always does for cells).
+NATIVE_STEPS_UNVERIFIED = "issue 13 item 4: written without a GPU, not run on one yet"
+
+
+def native_steps_allowed() -> bool:
+    return not NATIVE_STEPS_UNVERIFIED or os.environ.get("MUSPACE_TRY_UNVERIFIED") == "1"
+
+
+def _native_cells(coords: torch.Tensor, dims: tuple[int, int, int, int]) -> torch.Tensor:
+    from mu_space.ops import _opdef
+
+    coords = coords.contiguous()
+    cells = _opdef.new_output(coords, (coords.shape[0],), torch.int32)
+    native.function("bev_pool_cells_forward")(coords, cells, *dims, stream_handle(coords))
+    return cells
+
+
+def _native_row_grad(grad_out: torch.Tensor, cells: torch.Tensor, grid: Grid) -> torch.Tensor:
+    from mu_space.ops import _opdef
+
+    B, Z, Y, X, C = grid
+    grad_out = grad_out.contiguous()
+    cells = cells.contiguous()
+    rows = grad_out.new_empty(grid.n_cells, C)  # scratch: grad_out channels-last
+    grad_feat = _opdef.new_output(grad_out, (cells.shape[0], C), grad_out.dtype)
+    native.function("bev_pool_rows_backward")(
+        grad_out, cells, rows, grad_feat, stream_handle(grad_out)
+    )
+    return grad_feat
+
+
+def native_steps():
+    """bev_pool's own kernels, with the arguments of their PyTorch versions:
+    (cells(coords, dims) like coords_to_cells (int32), row_grad(grad_out, cells, grid) like
+    row_gather_grad). Tests substitute the PyTorch versions on CPU."""
+    return _native_cells, _native_row_grad
 
 
 # ------------------------------------------------------------------ the sort-and-pool composition

@@ -5,8 +5,10 @@ matrix).
 One custom op whose inside is sort_by_cell + bev_pool_v2 without depth, so torch.compile sees a
 fixed output shape and no data-dependent sizes (an autograd.Function around the sort cannot be
 traced: its unbacked sizes would escape). Backward: every point has exactly one cell, so the
-gradient is a row gather (`_bev.row_gather_grad`): bev_pool_v2's general backward would zero a
-float32 buffer and scatter into it with atomics, or re-sort the points by ranks_feat.
+gradient is a row gather: natively grad_out goes channels-last in one tile transpose and a gather
+writes grad_feat once, in row order (csrc/bev/bev_pool_musa.mu); the reference is the same in
+PyTorch (`_bev.row_gather_grad`). bev_pool_v2's general backward would zero a float32 buffer and
+scatter into it with atomics, or re-sort the points by ranks_feat.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from mu_space.ops import _bev, _opdef
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 from mu_space.runtime import native
 
-_ENTRY_POINTS = ("sort_by_cell_forward", "bev_pool_sort_workspace_ints", "bev_pool_v2_forward")
+_ENTRY_POINTS = (
+    "sort_by_cell_forward",
+    "bev_pool_sort_workspace_ints",
+    "bev_pool_v2_forward",
+    "bev_pool_rows_backward",
+)
 
 
 def _check(feat, cells, grid) -> _opdef.Checked:
@@ -57,7 +64,9 @@ def _row_gather(grad_out, feat, cells, grid):
 
 
 def _native_row_gather(c, grad_out, feat, cells, grid, *, needs, deterministic):
-    return (_bev.row_gather_grad(grad_out, cells, c.info),)
+    if grad_out.numel() == 0 or feat.numel() == 0 or not _bev.native_steps_allowed():
+        return (_bev.row_gather_grad(grad_out, cells, c.info),)
+    return (_bev.native_steps()[1](grad_out, cells, c.info),)
 
 
 def _samples(device: torch.device) -> list[_opdef.Sample]:

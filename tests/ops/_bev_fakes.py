@@ -126,6 +126,8 @@ def _route_native_composition(monkeypatch, sort, pool):
     from mu_space.runtime import native, registry
 
     monkeypatch.setattr(_bev, "primitives", lambda: (sort, pool))
+    # bev_pool's own kernels: their PyTorch versions (same arguments and results)
+    monkeypatch.setattr(_bev, "native_steps", lambda: (_bev.coords_to_cells, _bev.row_gather_grad))
     monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(native, "has_function", lambda name: True)
     monkeypatch.setattr(native, "build_facts", lambda: {"bf16": True, "limits": _LIMITS})
