@@ -10,6 +10,11 @@
 //                            grad_feat once, in row order, with coalesced stores. Each row has
 //                            one cell, so there are no atomics: deterministic and exact (the
 //                            elements are moved as raw bits, in every dtype).
+//   bev_pool_runs_from_sorted  the cells after a stable sort (torch.sort: CUB's radix sort under
+//                            CUDA) -> the kept points' order and sorted cells, and the runs of
+//                            equal cells (interval_starts / lengths, in cell order). Two kernels
+//                            around the shared exclusive scan of the run heads; the counts
+//                            (n_kept, n_intervals) go to a 2-int header the caller reads back.
 #include <tvm/ffi/function.h>
 
 #include <cstdint>
@@ -18,6 +23,7 @@
 #include "dispatch.muh"
 #include "gpu_compat.muh"
 #include "launch.muh"
+#include "scan.muh"
 
 namespace muspace {
 namespace {
@@ -193,6 +199,81 @@ void launch_backward(const TensorView& grad_out, const TensorView& cells, const 
   check_launch("bev_pool_rows_backward gather_rows_kernel");
 }
 
+// ------------------------------------------------------------------------- runs of sorted cells
+
+// First position in keys[lo, hi) whose key is >= value (hi when none).
+__device__ __forceinline__ int32_t lower_bound(const int32_t* keys, int32_t lo, int32_t hi,
+                                               int64_t value) {
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo) / 2;
+    if (keys[mid] < value) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// The kept positions [kept[0], kept[1]) of the sorted keys: those in [0, n_cells).
+__global__ void kept_range_kernel(const int32_t* __restrict__ keys, int32_t n, int64_t n_cells,
+                                  int32_t* __restrict__ kept, int32_t* __restrict__ header) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    const int32_t lo = lower_bound(keys, 0, n, 0);
+    const int32_t hi = lower_bound(keys, lo, n, n_cells);
+    kept[0] = lo;
+    kept[1] = hi;
+    header[0] = hi - lo;  // n_kept
+  }
+}
+
+__device__ __forceinline__ bool run_head(const int32_t* keys, int32_t i, int32_t lo) {
+  return i == lo || keys[i] != keys[i - 1];
+}
+
+// order / ranks_bev of the kept positions, and heads[i] = 1 where a run of equal keys starts.
+__global__ void __launch_bounds__(kBlock)
+    run_heads_kernel(const int32_t* __restrict__ keys, const int64_t* __restrict__ perm, int32_t n,
+                     const int32_t* __restrict__ kept, int32_t* __restrict__ order,
+                     int32_t* __restrict__ ranks_bev, int32_t* __restrict__ heads) {
+  const int32_t lo = kept[0], hi = kept[1];
+  for (int64_t t = global_thread(); t < n; t += global_threads()) {
+    const int32_t i = static_cast<int32_t>(t);
+    const bool inside = i >= lo && i < hi;
+    if (inside) {
+      order[i - lo] = static_cast<int32_t>(perm[i]);
+      ranks_bev[i - lo] = keys[i];
+    }
+    heads[i] = inside && run_head(keys, i, lo) ? 1 : 0;
+  }
+}
+
+// Run k (heads scanned into slots: slot[i] = k at its head i): its start and length in order.
+__global__ void __launch_bounds__(kBlock)
+    run_write_kernel(const int32_t* __restrict__ keys, int32_t n, const int32_t* __restrict__ kept,
+                     const int32_t* __restrict__ slot, int32_t capacity,
+                     int32_t* __restrict__ interval_starts,
+                     int32_t* __restrict__ interval_lengths) {
+  const int32_t lo = kept[0], hi = kept[1];
+  for (int64_t t = global_thread(); t < n; t += global_threads()) {
+    const int32_t i = static_cast<int32_t>(t);
+    if (i < lo || i >= hi || !run_head(keys, i, lo)) continue;
+    const int32_t k = slot[i];
+    if (k < 0 || k >= capacity) continue;  // never: at most min(n, n_cells) distinct cells
+    const int32_t end = lower_bound(keys, i, hi, static_cast<int64_t>(keys[i]) + 1);
+    interval_starts[k] = i - lo;
+    interval_lengths[k] = end - i;
+  }
+}
+
+// Workspace ints of bev_pool_runs_from_sorted for n keys: kept range | heads / slots [n] | tile
+// sums of the scan.
+int64_t runs_workspace_layout(int64_t n, int64_t* heads, int64_t* sums) {
+  *heads = 4;
+  *sums = *heads + (n + 3) / 4 * 4;
+  return *sums + scan::scan_tiles(n);
+}
+
 int64_t checked_dim(int64_t v, const char* name) {
   if (v < 0 || v > kInt32Max) {
     TVM_FFI_THROW(ValueError) << name << " must be in [0, " << kInt32Max << "], got " << v;
@@ -294,8 +375,75 @@ void bev_pool_rows_backward(TensorView grad_out, TensorView cells, TensorView ro
   }
 }
 
+int64_t bev_pool_runs_workspace_ints(int64_t n) {
+  if (n < 0 || n > kInt32Max) {
+    TVM_FFI_THROW(ValueError) << "n must be in [0, " << kInt32Max << "], got " << n;
+  }
+  int64_t heads = 0, sums = 0;
+  return runs_workspace_layout(n, &heads, &sums);
+}
+
+// sorted_keys [n] int32 (ascending: a stable sort of the cells), perm [n] int64 (the sort's
+// indices) -> order, ranks_bev [n] (the first n_kept valid), interval_starts, interval_lengths
+// [min(n, n_cells)] (the first n_intervals valid), header [2] int32 = (n_kept, n_intervals).
+// Keys outside [0, n_cells) are dropped. Nothing is launched when n == 0.
+void bev_pool_runs_from_sorted(TensorView sorted_keys, TensorView perm, int64_t n_cells,
+                               TensorView workspace, TensorView order, TensorView ranks_bev,
+                               TensorView interval_starts, TensorView interval_lengths,
+                               TensorView header, int64_t stream) {
+  check_gpu_tensor(sorted_keys, "sorted_keys");
+  check_input(sorted_keys, "sorted_keys", sorted_keys, kInt32);
+  check_ndim(sorted_keys, "sorted_keys", 1);
+  const int64_t n = sorted_keys.size(0);
+  if (n > kInt32Max) {
+    TVM_FFI_THROW(ValueError) << "sorted_keys has " << n << " entries; at most " << kInt32Max;
+  }
+  checked_dim(n_cells, "n_cells");
+  check_vector(perm, "perm", sorted_keys, kInt64, n);
+  check_vector(order, "order", sorted_keys, kInt32, n);
+  check_vector(ranks_bev, "ranks_bev", sorted_keys, kInt32, n);
+  const int64_t capacity = n < n_cells ? n : n_cells;
+  check_vector(interval_starts, "interval_starts", sorted_keys, kInt32, capacity);
+  check_vector(interval_lengths, "interval_lengths", sorted_keys, kInt32, capacity);
+  check_vector(header, "header", sorted_keys, kInt32, 2);
+  int64_t heads_at = 0, sums_at = 0;
+  const int64_t ints = runs_workspace_layout(n, &heads_at, &sums_at);
+  check_input(workspace, "workspace", sorted_keys, kInt32);
+  check_ndim(workspace, "workspace", 1);
+  if (workspace.size(0) < ints) {
+    TVM_FFI_THROW(ValueError) << "workspace must hold at least " << ints
+                              << " int32 (bev_pool_runs_workspace_ints), got " << workspace.size(0);
+  }
+  if (n == 0) return;
+
+  const int device_id = sorted_keys.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t s = as_stream(stream);
+  const int32_t n32 = static_cast<int32_t>(n);
+  const int32_t* keys = data_of<const int32_t>(sorted_keys);
+  int32_t* ws = data_of<int32_t>(workspace);
+  int32_t* kept = ws;
+  int32_t* heads = ws + heads_at;
+  int32_t* counts = data_of<int32_t>(header);
+  kept_range_kernel<<<1, kWarpSize, 0, s>>>(keys, n32, n_cells, kept, counts);
+  check_launch("bev_pool_runs_from_sorted kept_range_kernel");
+  const int blocks = grid_for(n, kBlock, device_id, kCellsBlocksPerSm);
+  run_heads_kernel<<<blocks, kBlock, 0, s>>>(keys, data_of<const int64_t>(perm), n32, kept,
+                                             data_of<int32_t>(order), data_of<int32_t>(ranks_bev),
+                                             heads);
+  check_launch("bev_pool_runs_from_sorted run_heads_kernel");
+  scan::exclusive_scan(heads, heads, n, ws + sums_at, counts + 1, s,
+                       "bev_pool_runs_from_sorted scan");  // counts[1] = n_intervals
+  run_write_kernel<<<blocks, kBlock, 0, s>>>(keys, n32, kept, heads, static_cast<int32_t>(capacity),
+                                             data_of<int32_t>(interval_starts),
+                                             data_of<int32_t>(interval_lengths));
+  check_launch("bev_pool_runs_from_sorted run_write_kernel");
+}
+
 }  // namespace
 }  // namespace muspace
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_cells_forward, muspace::bev_pool_cells_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_rows_backward, muspace::bev_pool_rows_backward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_runs_workspace_ints, muspace::bev_pool_runs_workspace_ints);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(bev_pool_runs_from_sorted, muspace::bev_pool_runs_from_sorted);

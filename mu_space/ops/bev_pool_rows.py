@@ -13,6 +13,8 @@ scatter into it with atomics, or re-sort the points by ranks_feat.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mu_space.ops import _bev, _opdef
@@ -24,6 +26,8 @@ _ENTRY_POINTS = (
     "bev_pool_sort_workspace_ints",
     "bev_pool_v2_forward",
     "bev_pool_rows_backward",
+    "bev_pool_runs_workspace_ints",
+    "bev_pool_runs_from_sorted",
 )
 
 
@@ -52,10 +56,17 @@ def bev_pool_rows_reference(feat, cells, grid) -> torch.Tensor:
     return _bev.pool_reference(None, feat, None, None, cells, _check(feat, cells, grid).info)
 
 
+# MUSPACE_BEV_POOL_ROWS_SORT=counting (profiling): sort_by_cell's counting sort instead of the
+# radix sort + runs step
+_SORT_KNOB = "MUSPACE_BEV_POOL_ROWS_SORT"
+
+
 def _forward_native(c, feat, cells, grid) -> torch.Tensor:
     g = c.info
     if feat.shape[0] == 0 or g.C == 0 or g.n_cells == 0:
         return _bev.pool_reference(None, feat, None, None, cells, g)
+    if _bev.native_steps_allowed() and os.environ.get(_SORT_KNOB) != "counting":
+        return _bev.pool_rows_by_sorted_runs(feat, cells, g)
     return _bev.pool_by_sorting(None, feat, None, None, cells, g, "native")
 
 

@@ -326,6 +326,19 @@ def test_native_composition_sends_empty_input_to_reference(monkeypatch):
     assert calls.sort is None and out.shape == (1, 3, 1, 2, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_sort_runs_reference_matches_the_sort_contract(dtype):
+    g = torch.Generator().manual_seed(5)
+    cells = torch.randint(-3, 60, (3000,), generator=g).to(dtype)
+    cells[::97] = 2**40 if dtype == torch.int64 else 2**31 - 1
+    r = _bev.sort_runs_reference(cells, 50)
+    s = _bev_fakes.fake_sort_by_cell(cells, 50)
+    for got, want in zip(
+        r, (s.order, cells[s.order.long()], s.interval_starts, s.interval_lengths)
+    ):
+        assert got.dtype == torch.int32 and torch.equal(got, want.to(torch.int32))
+
+
 # ---------------------------------------------------------------- native (GPU)
 
 # (config, batch, channels): realistic geometry, odd channel counts, B > 1.
@@ -508,7 +521,7 @@ def test_native_row_grad_kernel(cfg, batch, channels, dtype):
     assert bool((cells < 0).any())
     grad_out = torch.randn(grid.B, grid.C, grid.Z, grid.Y, grid.X, device=device).to(dtype)
     want = _bev.row_gather_grad(grad_out, cells, grid)
-    _, row_grad = _bev.native_steps()
+    _, row_grad, _ = _bev.native_steps()
     with _opdef.poisoned_outputs():
         got = row_grad(grad_out, cells, grid)
         again = row_grad(grad_out, cells.long(), grid)
@@ -523,7 +536,7 @@ def test_native_row_grad_kernel(cfg, batch, channels, dtype):
 @pytest.mark.gpu
 def test_native_row_grad_edge_cases():
     device = native_gpu_device()
-    _, row_grad = _bev.native_steps()
+    _, row_grad, _ = _bev.native_steps()
     grid = _bev.Grid(2, 1, 3, 4, 5)
     grad_out = torch.randn(2, 5, 1, 3, 4, device=device)
     # every cell out of range, huge int64 cells, the last cell
@@ -558,3 +571,63 @@ def test_native_autograd_runs_the_row_grad_kernel(monkeypatch, dtype):
     assert_close(grads[0], ref.grad.to(dtype), atol=0, rtol=0, name="grad feats")
     assert torch.equal(grads[0], grads[1])
     assert_close(out, _want(a, dtype), **tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("cfg, batch", [("bevfusion-cam", 1), ("bevdet-r50", 2), ("tiny", 1)])
+def test_native_sort_runs_match_reference(cfg, batch, int_dtype):
+    """torch.sort + bev_pool_runs_from_sorted: the stable order, the sorted cells and the runs
+    equal the reference's exactly (poisoned outputs), on frustum cells with dropped points."""
+    device = native_gpu_device()
+    a = bevfusion_inputs(cfg, batch=batch, device=device, keep_out_of_range=True)
+    dims = (a["B"], a["D"], a["H"], a["W"])
+    n_cells = a["B"] * a["D"] * a["H"] * a["W"]
+    cells = _bev.coords_to_cells(a["coords"], dims).to(int_dtype)
+    if int_dtype == torch.int64:
+        cells[::101] = 2**40  # above every int32 key: dropped at the top end
+    want = _bev.sort_runs_reference(cells, n_cells)
+    _, _, sort_runs = _bev.native_steps()
+    with _opdef.poisoned_outputs():
+        got = sort_runs(cells, n_cells)
+    for name, g, w in zip(want._fields, got, want):
+        assert g.dtype == torch.int32 and torch.equal(g, w), name
+
+
+@pytest.mark.gpu
+def test_native_sort_runs_edge_cases():
+    device = native_gpu_device()
+    _, _, sort_runs = _bev.native_steps()
+    cases = [
+        (torch.full((1000,), -1, dtype=torch.int32), 10),  # every point dropped
+        (torch.full((1000,), 10, dtype=torch.int32), 10),  # every point at n_cells: dropped
+        (torch.tensor([3], dtype=torch.int32), 10),  # one point
+        (torch.full((300_000,), 7, dtype=torch.int32), 10),  # one long run
+        (torch.arange(5000, dtype=torch.int32).flip(0) % 4096, 4096),  # every cell, 1 or 2 each
+        (torch.randint(-5, 2**31 - 1, (50_000,), dtype=torch.int32), 2**31 - 1),  # sparse
+    ]
+    for cells, n_cells in cases:
+        cells = cells.to(device)
+        want = _bev.sort_runs_reference(cells, n_cells)
+        got = sort_runs(cells, n_cells)
+        for name, g, w in zip(want._fields, got, want):
+            assert torch.equal(g, w), (name, cells.shape, n_cells)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sort", ["radix", "counting"])
+def test_native_forward_both_sorts_bit_equal_reruns(monkeypatch, sort):
+    """bev_pool at bevfusion-cam through the radix sort + runs step (as the GPU sessions run it)
+    and through MUSPACE_BEV_POOL_ROWS_SORT=counting: each matches the reference and reruns are
+    bit-identical; the two sorts give the same order, so the same bits."""
+    monkeypatch.setenv("MUSPACE_TRY_UNVERIFIED", "1")
+    if sort == "counting":
+        monkeypatch.setenv("MUSPACE_BEV_POOL_ROWS_SORT", "counting")
+    device = native_gpu_device()
+    a = bevfusion_inputs("bevfusion-cam", device=device, keep_out_of_range=True)
+    _poison_allocator(device)
+    first = bev_pool(*args_of(a), backend="cuda")
+    assert_close(first, _want(a, torch.float32), **tolerance(torch.float32))
+    assert torch.equal(first, bev_pool(*args_of(a), backend="cuda"))
+    monkeypatch.setenv("MUSPACE_BEV_POOL_ROWS_SORT", "counting" if sort == "radix" else "radix")
+    assert torch.equal(first, bev_pool(*args_of(a), backend="cuda"))

@@ -11,7 +11,12 @@ import torch
 from mu_space.ops import _bev
 from tests.native_calls import ReachedRuntime, as_cuda, load_library, relabelling
 
-ENTRY_POINTS = ("bev_pool_cells_forward", "bev_pool_rows_backward")
+ENTRY_POINTS = (
+    "bev_pool_cells_forward",
+    "bev_pool_rows_backward",
+    "bev_pool_runs_workspace_ints",
+    "bev_pool_runs_from_sorted",
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +34,7 @@ def calls(library, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_cells_arguments_reach_the_runtime(calls, dtype):
     coords = torch.randint(-1, 5, (100, 4), dtype=dtype)
-    cells, _ = _bev.native_steps()
+    cells, _, _ = _bev.native_steps()
     with pytest.raises(ReachedRuntime):
         cells(coords, (2, 1, 4, 4))
     assert calls == ["bev_pool_cells_forward"]
@@ -41,7 +46,7 @@ def test_row_grad_arguments_reach_the_runtime(calls, dtype, cell_dtype):
     grid = _bev.Grid(2, 1, 3, 5, 7)
     grad_out = torch.randn(2, 7, 1, 3, 5).to(dtype)
     cells = torch.randint(-1, grid.n_cells + 1, (50,), dtype=cell_dtype)
-    _, row_grad = _bev.native_steps()
+    _, row_grad, _ = _bev.native_steps()
     with pytest.raises(ReachedRuntime):
         row_grad(grad_out, cells, grid)
     assert calls == ["bev_pool_rows_backward"]
@@ -98,3 +103,12 @@ def test_row_grad_bad_arguments_name_them(library, change, error, message):
         library["bev_pool_rows_backward"](
             *(as_cuda(a[k]) for k in ("grad_out", "cells", "rows", "grad_feat")), 0
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_sort_runs_arguments_reach_the_runtime(calls, dtype):
+    cells = torch.randint(-1, 40, (500,), dtype=dtype)
+    _, _, sort_runs = _bev.native_steps()
+    with pytest.raises(ReachedRuntime):
+        sort_runs(cells, 30)
+    assert calls == ["bev_pool_runs_from_sorted"]
