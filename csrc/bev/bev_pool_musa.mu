@@ -232,6 +232,9 @@ __device__ __forceinline__ bool run_head(const int32_t* keys, int32_t i, int32_t
 }
 
 // order / ranks_bev of the kept positions, and heads[i] = 1 where a run of equal keys starts.
+// kPad: positions p >= n_kept get bev_pool_prepare_padded's padding (order -1, ranks_bev
+// 2^31 - n + p: ascending, above every cell), so the caller needs no read-back.
+template <bool kPad>
 __global__ void __launch_bounds__(kBlock)
     run_heads_kernel(const int32_t* __restrict__ keys, const int64_t* __restrict__ perm, int32_t n,
                      const int32_t* __restrict__ kept, int32_t* __restrict__ order,
@@ -244,19 +247,30 @@ __global__ void __launch_bounds__(kBlock)
       order[i - lo] = static_cast<int32_t>(perm[i]);
       ranks_bev[i - lo] = keys[i];
     }
+    if (kPad && i >= hi - lo) {
+      order[i] = -1;
+      ranks_bev[i] = static_cast<int32_t>(kInt32Max - n + 1 + i);
+    }
     heads[i] = inside && run_head(keys, i, lo) ? 1 : 0;
   }
 }
 
 // Run k (heads scanned into slots: slot[i] = k at its head i): its start and length in order.
+// kPad: runs k in [n_intervals, capacity) are empty intervals (0, 0).
+template <bool kPad>
 __global__ void __launch_bounds__(kBlock)
     run_write_kernel(const int32_t* __restrict__ keys, int32_t n, const int32_t* __restrict__ kept,
                      const int32_t* __restrict__ slot, int32_t capacity,
-                     int32_t* __restrict__ interval_starts,
+                     const int32_t* __restrict__ counts, int32_t* __restrict__ interval_starts,
                      int32_t* __restrict__ interval_lengths) {
   const int32_t lo = kept[0], hi = kept[1];
+  const int32_t n_intervals = kPad ? counts[1] : 0;
   for (int64_t t = global_thread(); t < n; t += global_threads()) {
     const int32_t i = static_cast<int32_t>(t);
+    if (kPad && i >= n_intervals && i < capacity) {
+      interval_starts[i] = 0;
+      interval_lengths[i] = 0;
+    }
     if (i < lo || i >= hi || !run_head(keys, i, lo)) continue;
     const int32_t k = slot[i];
     if (k < 0 || k >= capacity) continue;  // never: at most min(n, n_cells) distinct cells
@@ -386,11 +400,13 @@ int64_t bev_pool_runs_workspace_ints(int64_t n) {
 // sorted_keys [n] int32 (ascending: a stable sort of the cells), perm [n] int64 (the sort's
 // indices) -> order, ranks_bev [n] (the first n_kept valid), interval_starts, interval_lengths
 // [min(n, n_cells)] (the first n_intervals valid), header [2] int32 = (n_kept, n_intervals).
-// Keys outside [0, n_cells) are dropped. Nothing is launched when n == 0.
+// Keys outside [0, n_cells) are dropped. pad = 1: the entries after the valid ones hold
+// bev_pool_prepare_padded's padding, which bev_pool_v2 skips (needs n + n_cells <= 2^31).
+// Nothing is launched when n == 0.
 void bev_pool_runs_from_sorted(TensorView sorted_keys, TensorView perm, int64_t n_cells,
                                TensorView workspace, TensorView order, TensorView ranks_bev,
                                TensorView interval_starts, TensorView interval_lengths,
-                               TensorView header, int64_t stream) {
+                               TensorView header, int64_t pad, int64_t stream) {
   check_gpu_tensor(sorted_keys, "sorted_keys");
   check_input(sorted_keys, "sorted_keys", sorted_keys, kInt32);
   check_ndim(sorted_keys, "sorted_keys", 1);
@@ -406,6 +422,12 @@ void bev_pool_runs_from_sorted(TensorView sorted_keys, TensorView perm, int64_t 
   check_vector(interval_starts, "interval_starts", sorted_keys, kInt32, capacity);
   check_vector(interval_lengths, "interval_lengths", sorted_keys, kInt32, capacity);
   check_vector(header, "header", sorted_keys, kInt32, 2);
+  if (pad != 0 && pad != 1) {
+    TVM_FFI_THROW(ValueError) << "pad must be 0 or 1, got " << pad;
+  }
+  if (pad == 1 && n + n_cells > kInt32Max + 1) {
+    TVM_FFI_THROW(ValueError) << "pad = 1 needs n + n_cells <= 2^31, got " << n << " + " << n_cells;
+  }
   int64_t heads_at = 0, sums_at = 0;
   const int64_t ints = runs_workspace_layout(n, &heads_at, &sums_at);
   check_input(workspace, "workspace", sorted_keys, kInt32);
@@ -428,15 +450,20 @@ void bev_pool_runs_from_sorted(TensorView sorted_keys, TensorView perm, int64_t 
   kept_range_kernel<<<1, kWarpSize, 0, s>>>(keys, n32, n_cells, kept, counts);
   check_launch("bev_pool_runs_from_sorted kept_range_kernel");
   const int blocks = grid_for(n, kBlock, device_id, kCellsBlocksPerSm);
-  run_heads_kernel<<<blocks, kBlock, 0, s>>>(keys, data_of<const int64_t>(perm), n32, kept,
-                                             data_of<int32_t>(order), data_of<int32_t>(ranks_bev),
-                                             heads);
-  check_launch("bev_pool_runs_from_sorted run_heads_kernel");
-  scan::exclusive_scan(heads, heads, n, ws + sums_at, counts + 1, s,
-                       "bev_pool_runs_from_sorted scan");  // counts[1] = n_intervals
-  run_write_kernel<<<blocks, kBlock, 0, s>>>(keys, n32, kept, heads, static_cast<int32_t>(capacity),
-                                             data_of<int32_t>(interval_starts),
-                                             data_of<int32_t>(interval_lengths));
+  dispatch_bools(
+      [&](auto padded) {
+        constexpr bool kPad = decltype(padded)::value;
+        run_heads_kernel<kPad><<<blocks, kBlock, 0, s>>>(keys, data_of<const int64_t>(perm), n32,
+                                                         kept, data_of<int32_t>(order),
+                                                         data_of<int32_t>(ranks_bev), heads);
+        check_launch("bev_pool_runs_from_sorted run_heads_kernel");
+        scan::exclusive_scan(heads, heads, n, ws + sums_at, counts + 1, s,
+                             "bev_pool_runs_from_sorted scan");  // counts[1] = n_intervals
+        run_write_kernel<kPad><<<blocks, kBlock, 0, s>>>(
+            keys, n32, kept, heads, static_cast<int32_t>(capacity), counts,
+            data_of<int32_t>(interval_starts), data_of<int32_t>(interval_lengths));
+      },
+      pad == 1);
   check_launch("bev_pool_runs_from_sorted run_write_kernel");
 }
 

@@ -320,15 +320,18 @@ def sort_runs_reference(cells: torch.Tensor, n_cells: int) -> SortedRuns:
     return SortedRuns(perm.to(i32), keys.to(i32), starts.to(i32), lengths.to(i32))
 
 
-def _native_sort_runs(cells: torch.Tensor, n_cells: int) -> SortedRuns:
+def _native_sort_runs(cells: torch.Tensor, n_cells: int, pad: bool = True) -> SortedRuns:
     """The platform's stable radix sort (torch.sort: CUB's onesweep under CUDA, torch_musa's
-    under MUSA) of int32 cell keys, then bev_pool_runs_from_sorted; one host synchronisation
-    (the two counts)."""
+    under MUSA) of int32 cell keys, then bev_pool_runs_from_sorted. pad (when n + n_cells <=
+    2**31): full-size outputs whose tails hold bev_pool_prepare_padded's padding (which
+    bev_pool_v2 skips), no host synchronisation; otherwise one (the two counts) and exact
+    sizes."""
     from mu_space.ops import _opdef
 
     keys, perm = torch.sort(_sort_keys(cells.contiguous(), n_cells), stable=True)
     n = keys.shape[0]
     cap = min(n, n_cells)
+    pad = pad and n + n_cells <= INT32_MAX + 1
     order, ranks_bev = (_opdef.new_output(keys, (n,), torch.int32) for _ in range(2))
     starts, lengths = (_opdef.new_output(keys, (cap,), torch.int32) for _ in range(2))
     header = torch.empty(2, dtype=torch.int32, device=keys.device)
@@ -344,17 +347,21 @@ def _native_sort_runs(cells: torch.Tensor, n_cells: int) -> SortedRuns:
         starts,
         lengths,
         header,
+        int(pad),
         stream_handle(keys),
     )
-    k, m = header.tolist()  # the one host synchronisation: the output sizes
+    if pad:
+        return SortedRuns(order, ranks_bev, starts, lengths)
+    k, m = header.tolist()  # the host synchronisation: the output sizes
     return SortedRuns(order[:k], ranks_bev[:k], starts[:m], lengths[:m])
 
 
 def native_steps():
     """bev_pool's own kernels, with the arguments of their PyTorch versions:
     (cells(coords, dims) like coords_to_cells (int32), row_grad(grad_out, cells, grid) like
-    row_gather_grad, sort_runs(cells, n_cells) like sort_runs_reference). Tests substitute the
-    PyTorch versions on CPU."""
+    row_gather_grad, sort_runs(cells, n_cells) like sort_runs_reference, natively with padded
+    tails and no host synchronisation where the sizes allow). Tests substitute the PyTorch
+    versions on CPU."""
     return _native_cells, _native_row_grad, _native_sort_runs
 
 

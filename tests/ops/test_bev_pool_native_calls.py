@@ -105,10 +105,11 @@ def test_row_grad_bad_arguments_name_them(library, change, error, message):
         )
 
 
+@pytest.mark.parametrize("pad", [True, False])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_sort_runs_arguments_reach_the_runtime(calls, dtype):
+def test_sort_runs_arguments_reach_the_runtime(calls, dtype, pad):
     cells = torch.randint(-1, 40, (500,), dtype=dtype)
     _, _, sort_runs = _bev.native_steps()
     with pytest.raises(ReachedRuntime):
-        sort_runs(cells, 30)
+        sort_runs(cells, 30, pad=pad)
     assert calls == ["bev_pool_runs_from_sorted"]
