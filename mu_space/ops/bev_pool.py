@@ -2,16 +2,17 @@
 differences from upstream: the public function's docstring and docs/operators/bev_pool.md.
 
 Native path (a composite op): the flat cells of the coordinates, then `bev_pool_rows`
-(sort_by_cell + bev_pool_v2 without depth inside one custom op, row-gather backward):
+(a sort + bev_pool_v2 without depth inside one custom op, row-gather backward):
 
     cell = ((b*D + z)*H + x)*W + y       (-1 when any coordinate is outside its dimension;
                                           bev_pool_cells: one kernel, int32)
-    order, starts, lengths = sort_by_cell(cell, B*D*H*W)                   (deterministic)
-    bev_pool_v2(None, feats, None, order, cell[order], (B, D, H, W, C), starts, lengths)
+    order, ranks_bev, starts, lengths = torch.sort(cell, stable=True) + the runs step
+                                         (padded tails, no host sync; before issue 13:
+                                          sort_by_cell + cell[order], one host sync)
+    bev_pool_v2(None, feats, None, order, ranks_bev, (B, D, H, W, C), starts, lengths)
 
 which is DrivingSDK's `bev_pool_v3` v1 mode. Upstream sorts with torch argsort and cuts the
-intervals with torch.where (a host sync); here the sort's data-dependent interval count
-synchronises with the host once per forward, likewise.
+intervals with torch.where (a host sync). docs/operators/bev_pool.md has the whole path.
 """
 
 from __future__ import annotations

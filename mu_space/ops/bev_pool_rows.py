@@ -2,7 +2,8 @@
 BEVFusion's `bev_pool` and of `bev_pool_v3`'s v1 mode (an internal primitive: not in the operator
 matrix).
 
-One custom op whose inside is sort_by_cell + bev_pool_v2 without depth, so torch.compile sees a
+One custom op whose inside is a sort (torch.sort + bev_pool_runs_from_sorted, padded, no host
+sync; or sort_by_cell's counting sort) + bev_pool_v2 without depth, so torch.compile sees a
 fixed output shape and no data-dependent sizes (an autograd.Function around the sort cannot be
 traced: its unbacked sizes would escape). Backward: every point has exactly one cell, so the
 gradient is a row gather: natively grad_out goes channels-last in one tile transpose and a gather
