@@ -32,9 +32,9 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import Case, Target
-from mu_space.ops import _bev
 from mu_space.ops.bev_pool import bev_pool, bev_pool_cells
 from mu_space.ops.bev_pool_prepare import sort_by_cell
+from mu_space.ops.bev_pool_rows import sort_cells
 from mu_space.testing.bev_pool_inputs import bevfusion_inputs
 
 CONFIG = "bevfusion-cam"
@@ -214,7 +214,6 @@ def _radix_sort_case(cells, n_cells, params, be) -> list[Case]:
     if be != "native":
         return []
     n = cells.shape[0]
-    sort_runs = _bev.native_steps()[2]
     return [
         Case(
             name=f"{CONFIG}-sort-radix",
@@ -223,7 +222,7 @@ def _radix_sort_case(cells, n_cells, params, be) -> list[Case]:
             dtype=cells.dtype,
             params={**params, "n_cells": n_cells},
             compulsory_bytes=n * cells.element_size() + 2 * n * 4,
-            fn=lambda c: sort_runs(c, n_cells),
+            fn=lambda c: sort_cells(c, n_cells),
             make_args=lambda: cells.clone(),
         )
     ]

@@ -123,3 +123,11 @@ def bev_pool_rows(feat: torch.Tensor, cells: torch.Tensor, grid, *, backend: str
     dropped. float32 accumulation, output in feat's dtype; deterministic forward and backward.
     """
     return OP(feat, cells, list(_bev.bev_feat_shape(grid, "grid")), backend=backend)
+
+
+def sort_cells(cells: torch.Tensor, n_cells: int, *, pad: bool = True) -> _bev.SortedRuns:
+    """bev_pool_rows' native sort step alone (GPU tensors, the native library; for benchmarks):
+    torch.sort of int32 cell keys + bev_pool_runs_from_sorted -> SortedRuns(order, ranks_bev,
+    interval_starts, interval_lengths), padded tails without a host sync where n + n_cells
+    <= 2**31 (`pad`), else exact sizes after one."""
+    return _bev.native_steps()[2](cells, n_cells, pad=pad)
