@@ -10,7 +10,11 @@ Cases
 - bevfusion-cam-{forward,backward} in float32 and float16 (the issue-3 target: >= 50% of the
   copy bandwidth measured in the same run, TARGETS);
 - bevfusion-cam-cells / -sort: the two steps in front of the pooling kernel (coords -> flat
-  cells in PyTorch; sort_by_cell), timed alone so a miss can be attributed;
+  cells; sort_by_cell's counting sort), timed alone so a miss can be attributed, and since
+  issue 13 item 4 -cells-torch (the previous PyTorch cells, for comparison) and -sort-radix
+  (torch.sort + bev_pool_runs_from_sorted, what bev_pool_rows runs once its kernels are
+  verified; run with MUSPACE_TRY_UNVERIFIED=1 for the forward / backward cases to take the
+  issue-13 kernels, MUSPACE_BEV_POOL_ROWS_SORT=counting to keep the counting sort);
 - sweep-n{N}: 10 k -> 5 M points, a random subset of a B = 3 bevfusion-cam batch (the 3 x 360 x
   360 x 80 output is written in every case, which is the floor at small N).
 
@@ -28,8 +32,9 @@ import torch
 
 from benchmarks import harness
 from benchmarks.harness import Case, Target
-from mu_space.ops.bev_pool import bev_pool
+from mu_space.ops.bev_pool import bev_pool, bev_pool_cells
 from mu_space.ops.bev_pool_prepare import sort_by_cell
+from mu_space.ops.bev_pool_rows import sort_cells
 from mu_space.testing.bev_pool_inputs import bevfusion_inputs
 
 CONFIG = "bevfusion-cam"
@@ -168,6 +173,7 @@ def step_cases(a: dict) -> list[Case]:
     constants = cell_constants((B, D, H, W), a["coords"].dtype, a["coords"].device)
     cells = coords_to_cells(a["coords"], (B, D, H, W), constants)
     be = harness.backend()
+    coords_bytes = a["coords"].numel() * a["coords"].element_size()
     return [
         Case(
             name=f"{CONFIG}-cells",
@@ -175,8 +181,17 @@ def step_cases(a: dict) -> list[Case]:
             direction="forward",
             dtype=a["coords"].dtype,
             params=params,
-            compulsory_bytes=a["coords"].numel() * a["coords"].element_size()
-            + n * cells.element_size(),
+            compulsory_bytes=coords_bytes + n * 4,
+            fn=lambda c: bev_pool_cells(c, B, D, H, W, backend=be),
+            make_args=lambda: a["coords"].clone(),
+        ),
+        Case(
+            name=f"{CONFIG}-cells-torch",
+            op="bev_pool.cells",
+            direction="forward",
+            dtype=a["coords"].dtype,
+            params=params,
+            compulsory_bytes=coords_bytes + n * cells.element_size(),
             fn=lambda c: coords_to_cells(c, (B, D, H, W), constants),
             make_args=lambda: a["coords"].clone(),
         ),
@@ -190,6 +205,26 @@ def step_cases(a: dict) -> list[Case]:
             fn=lambda c: sort_by_cell(c, B * D * H * W, backend=be),
             make_args=lambda: cells.clone(),
         ),
+    ] + _radix_sort_case(cells, B * D * H * W, params, be)
+
+
+def _radix_sort_case(cells, n_cells, params, be) -> list[Case]:
+    """torch.sort + bev_pool_runs_from_sorted (bev_pool_rows' sort once verified): cells in,
+    order + sorted cells out (native library only)."""
+    if be != "native":
+        return []
+    n = cells.shape[0]
+    return [
+        Case(
+            name=f"{CONFIG}-sort-radix",
+            op="bev_pool_rows.sort_runs",
+            direction="forward",
+            dtype=cells.dtype,
+            params={**params, "n_cells": n_cells},
+            compulsory_bytes=n * cells.element_size() + 2 * n * 4,
+            fn=lambda c: sort_cells(c, n_cells),
+            make_args=lambda: cells.clone(),
+        )
     ]
 
 

@@ -5,11 +5,14 @@ bev_pool_rows share. Operator modules import these; no op imports another op's p
 from __future__ import annotations
 
 import operator
+import os
 from typing import NamedTuple
 
 import torch
 
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
+from mu_space.runtime import native
+from mu_space.runtime.device import stream_handle
 
 INT32_MAX = 2**31 - 1  # int32 ranks / cells address at most this many
 
@@ -251,6 +254,136 @@ def row_gather_grad(grad_out: torch.Tensor, cells: torch.Tensor, grid: Grid) -> 
     rows[:n_cells].view(B, Z, Y, X, C).copy_(grad_out.permute(0, 2, 3, 4, 1))
     rows[n_cells].zero_()
     return rows.index_select(0, torch.where((cells >= 0) & (cells < n_cells), cells, n_cells))
+
+
+# ------------------------------------------------------------------ bev_pool's own kernels
+
+# csrc/bev/bev_pool_musa.mu (the fused cells and the row-gather backward): "" once they have
+# passed the GPU suite. Until then `auto` takes the PyTorch versions (MUSPACE_TRY_UNVERIFIED=1,
+# as the GPU sessions set it, runs the kernels; backend="native" / "cuda" always does for cells).
+NATIVE_STEPS_UNVERIFIED = "issue 13 item 4: written without a GPU, not run on one yet"
+
+
+def native_steps_allowed() -> bool:
+    return not NATIVE_STEPS_UNVERIFIED or os.environ.get("MUSPACE_TRY_UNVERIFIED") == "1"
+
+
+def _native_cells(coords: torch.Tensor, dims: tuple[int, int, int, int]) -> torch.Tensor:
+    from mu_space.ops import _opdef
+
+    coords = coords.contiguous()
+    cells = _opdef.new_output(coords, (coords.shape[0],), torch.int32)
+    native.function("bev_pool_cells_forward")(coords, cells, *dims, stream_handle(coords))
+    return cells
+
+
+def _native_row_grad(grad_out: torch.Tensor, cells: torch.Tensor, grid: Grid) -> torch.Tensor:
+    from mu_space.ops import _opdef
+
+    B, Z, Y, X, C = grid
+    grad_out = grad_out.contiguous()
+    cells = cells.contiguous()
+    rows = grad_out.new_empty(grid.n_cells, C)  # scratch: grad_out channels-last
+    grad_feat = _opdef.new_output(grad_out, (cells.shape[0], C), grad_out.dtype)
+    native.function("bev_pool_rows_backward")(
+        grad_out, cells, rows, grad_feat, stream_handle(grad_out)
+    )
+    return grad_feat
+
+
+class SortedRuns(NamedTuple):
+    """The kept points (cells in [0, n_cells)) sorted by cell, ties by index (int32 1-D):
+    order (their indices), ranks_bev (their cells) and the runs of equal cells."""
+
+    order: torch.Tensor
+    ranks_bev: torch.Tensor
+    interval_starts: torch.Tensor
+    interval_lengths: torch.Tensor
+
+
+def _sort_keys(cells: torch.Tensor, n_cells: int) -> torch.Tensor:
+    """int32 keys that sort like the cells: int64 cells clamped to [-1, n_cells] (both ends
+    dropped alike)."""
+    if cells.dtype == torch.int32:
+        return cells
+    return cells.clamp(-1, n_cells).to(torch.int32)
+
+
+def sort_runs_reference(cells: torch.Tensor, n_cells: int) -> SortedRuns:
+    """PyTorch version of the native sort + runs step (a stable sort, then the runs)."""
+    keys, perm = torch.sort(_sort_keys(cells, n_cells), stable=True)
+    kept = (keys >= 0) & (keys < n_cells)
+    keys, perm = keys[kept], perm[kept]
+    _, lengths = torch.unique_consecutive(keys, return_counts=True)
+    starts = torch.cumsum(lengths, 0) - lengths
+    i32 = torch.int32
+    return SortedRuns(perm.to(i32), keys.to(i32), starts.to(i32), lengths.to(i32))
+
+
+def _native_sort_runs(cells: torch.Tensor, n_cells: int, pad: bool = True) -> SortedRuns:
+    """The platform's stable radix sort (torch.sort: CUB's onesweep under CUDA, torch_musa's
+    under MUSA) of int32 cell keys, then bev_pool_runs_from_sorted. pad (when n + n_cells <=
+    2**31): full-size outputs whose tails hold bev_pool_prepare_padded's padding (which
+    bev_pool_v2 skips), no host synchronisation; otherwise one (the two counts) and exact
+    sizes."""
+    from mu_space.ops import _opdef
+
+    keys, perm = torch.sort(_sort_keys(cells.contiguous(), n_cells), stable=True)
+    n = keys.shape[0]
+    cap = min(n, n_cells)
+    pad = pad and n + n_cells <= INT32_MAX + 1
+    order, ranks_bev = (_opdef.new_output(keys, (n,), torch.int32) for _ in range(2))
+    starts, lengths = (_opdef.new_output(keys, (cap,), torch.int32) for _ in range(2))
+    header = torch.empty(2, dtype=torch.int32, device=keys.device)
+    ints = int(native.function("bev_pool_runs_workspace_ints")(n))
+    workspace = torch.empty(ints, dtype=torch.int32, device=keys.device)
+    native.function("bev_pool_runs_from_sorted")(
+        keys,
+        perm,
+        n_cells,
+        workspace,
+        order,
+        ranks_bev,
+        starts,
+        lengths,
+        header,
+        int(pad),
+        stream_handle(keys),
+    )
+    if pad:
+        return SortedRuns(order, ranks_bev, starts, lengths)
+    k, m = header.tolist()  # the host synchronisation: the output sizes
+    return SortedRuns(order[:k], ranks_bev[:k], starts[:m], lengths[:m])
+
+
+def native_steps():
+    """bev_pool's own kernels, with the arguments of their PyTorch versions:
+    (cells(coords, dims) like coords_to_cells (int32), row_grad(grad_out, cells, grid) like
+    row_gather_grad, sort_runs(cells, n_cells) like sort_runs_reference, natively with padded
+    tails and no host synchronisation where the sizes allow). Tests substitute the PyTorch
+    versions on CPU."""
+    return _native_cells, _native_row_grad, _native_sort_runs
+
+
+def pool_rows_by_sorted_runs(feat: torch.Tensor, cells: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """bev_pool_rows' native forward: the sort + runs step, then bev_pool_v2 without depth:
+
+    order, ranks_bev, starts, lengths = sort_runs(cells, n_cells)
+    bev_pool_v2(None, feat, None, order, ranks_bev, grid, starts, lengths)
+    """
+    _, bev_pool_v2 = primitives()
+    r = native_steps()[2](cells, grid.n_cells)
+    return bev_pool_v2(
+        None,
+        feat,
+        None,
+        r.order,
+        r.ranks_bev,
+        tuple(grid),
+        r.interval_starts,
+        r.interval_lengths,
+        backend="native",
+    )
 
 
 # ------------------------------------------------------------------ the sort-and-pool composition

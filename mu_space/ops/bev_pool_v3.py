@@ -22,6 +22,7 @@ import torch
 
 from mu_space.ops import _bev, _opdef
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
+from mu_space.ops.bev_pool import bev_pool_cells
 from mu_space.ops.bev_pool_rows import bev_pool_rows
 from mu_space.runtime import native
 
@@ -122,7 +123,10 @@ def _forward_native(c, depth, feat, ranks_depth, ranks_feat, ranks_bev, bev_feat
     grid = c.info
     if ranks_bev.shape[0] == 0 or grid.C == 0 or grid.n_cells == 0:
         return bev_pool_v3_reference(depth, feat, ranks_depth, ranks_feat, ranks_bev, grid)
-    cells = _cells_of(ranks_bev, grid)
+    if ranks_bev.dim() == 2:  # one kernel natively (bev_pool's cells step)
+        cells = bev_pool_cells(ranks_bev, grid.B, grid.Z, grid.Y, grid.X, backend=backend)
+    else:
+        cells = ranks_bev
     if depth is None and ranks_feat is None:  # v1 mode: each feat row has one cell
         return bev_pool_rows(feat, cells, grid, backend=backend)
     return _bev.pool_by_sorting(depth, feat, ranks_depth, ranks_feat, cells, grid, backend)

@@ -126,6 +126,16 @@ def _route_native_composition(monkeypatch, sort, pool):
     from mu_space.runtime import native, registry
 
     monkeypatch.setattr(_bev, "primitives", lambda: (sort, pool))
+
+    # bev_pool's own kernels: their PyTorch versions (same arguments and results)
+    def sort_runs(cells, n_cells):  # the radix sort + runs step, through `sort`
+        s = sort(cells, n_cells, backend="native")
+        ranks_bev = cells[s.order.long()].to(torch.int32)
+        return _bev.SortedRuns(s.order, ranks_bev, s.interval_starts, s.interval_lengths)
+
+    monkeypatch.setattr(
+        _bev, "native_steps", lambda: (_bev.coords_to_cells, _bev.row_gather_grad, sort_runs)
+    )
     monkeypatch.setattr(native, "unavailable_reason", lambda device: None)
     monkeypatch.setattr(native, "has_function", lambda name: True)
     monkeypatch.setattr(native, "build_facts", lambda: {"bf16": True, "limits": _LIMITS})

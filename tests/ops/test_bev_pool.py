@@ -8,8 +8,9 @@ Inputs come from real frustum geometry built the way BEVFusion's vtransform buil
 import pytest
 import torch
 
-from mu_space.ops.bev_pool import bev_pool, bev_pool_reference
-from mu_space.runtime import kernel_dispatch
+from mu_space.ops import _bev, _opdef
+from mu_space.ops.bev_pool import bev_pool, bev_pool_cells, bev_pool_reference
+from mu_space.runtime import kernel_dispatch, native
 from mu_space.testing.bev_pool_inputs import bevfusion_inputs
 from tests.helpers import assert_close, native_gpu_device, tolerance
 from tests.ops import _bev_fakes
@@ -325,6 +326,19 @@ def test_native_composition_sends_empty_input_to_reference(monkeypatch):
     assert calls.sort is None and out.shape == (1, 3, 1, 2, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_sort_runs_reference_matches_the_sort_contract(dtype):
+    g = torch.Generator().manual_seed(5)
+    cells = torch.randint(-3, 60, (3000,), generator=g).to(dtype)
+    cells[::97] = 2**40 if dtype == torch.int64 else 2**31 - 1
+    r = _bev.sort_runs_reference(cells, 50)
+    s = _bev_fakes.fake_sort_by_cell(cells, 50)
+    for got, want in zip(
+        r, (s.order, cells[s.order.long()], s.interval_starts, s.interval_lengths)
+    ):
+        assert got.dtype == torch.int32 and torch.equal(got, want.to(torch.int32))
+
+
 # ---------------------------------------------------------------- native (GPU)
 
 # (config, batch, channels): realistic geometry, odd channel counts, B > 1.
@@ -414,3 +428,226 @@ def test_native_out_of_range_and_edge_cases():
     assert_close(got[1, :, 0, 2, 3].double(), many.double().sum(0), atol=5e-2, rtol=1e-5)
     got[1, :, 0, 2, 3] = 0
     assert not got.any()
+
+
+# ---------------------------------------------------------------- native steps of bev_pool's own
+# (csrc/bev/bev_pool_musa.mu: the fused cells kernel and the row-gather backward)
+
+
+def _cells_kernel(coords, dims, fill=0x7EADBEEF):
+    """bev_pool_cells_forward into an output pre-filled with a value no cell takes."""
+    cells = torch.full((coords.shape[0],), fill, dtype=torch.int32, device=coords.device)
+    native.function("bev_pool_cells_forward")(
+        coords, cells, *dims, torch.cuda.current_stream().cuda_stream
+    )
+    return cells
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int_dtype", [torch.int64, torch.int32], ids=str)
+@pytest.mark.parametrize("cfg, batch", [("bevfusion-cam", 1), ("bevdet-r50", 2), ("tiny", 2)])
+def test_native_cells_match_reference(cfg, batch, int_dtype):
+    device = native_gpu_device()
+    a = bevfusion_inputs(cfg, batch=batch, device=device, keep_out_of_range=True)
+    coords = a["coords"].to(int_dtype)
+    dims = (a["B"], a["D"], a["H"], a["W"])
+    want = _bev.coords_to_cells(coords, dims)
+    assert bool((want < 0).any()) and bool((want >= 0).any())  # both kinds of points
+    assert torch.equal(_cells_kernel(coords, dims), want)
+    with _opdef.poisoned_outputs():
+        assert torch.equal(bev_pool_cells(coords, *dims, backend="cuda"), want)
+    # not 16-byte aligned: the scalar-load kernel
+    flat = torch.empty(coords.numel() + 1, dtype=int_dtype, device=device)
+    shifted = flat[1:].view_as(coords).copy_(coords)
+    assert shifted.data_ptr() % 16 != 0
+    assert torch.equal(_cells_kernel(shifted, dims), want)
+
+
+@pytest.mark.gpu
+def test_native_cells_edge_values():
+    device = native_gpu_device()
+    B, D, H, W = 2, 3, 4, 5
+    big = 2**40
+    rows = [
+        [0, 0, 0, 0],
+        [H - 1, W - 1, D - 1, B - 1],
+        [H, 0, 0, 0],
+        [0, W, 0, 0],
+        [0, 0, D, 0],
+        [0, 0, 0, B],
+        [-1, 0, 0, 0],
+        [0, -1, 0, 0],
+        [big, 0, 0, 0],
+        [0, 0, 0, big + 1],  # low 32 bits = 1: must not wrap into batch 1
+        [-big, 1, 1, 1],
+        [1, 2, 1, 1],
+    ]
+    coords = torch.tensor(rows, dtype=torch.int64, device=device)
+    want = _bev.coords_to_cells(coords, (B, D, H, W))
+    assert torch.equal(_cells_kernel(coords, (B, D, H, W)), want)
+    assert want.tolist()[:2] == [0, B * D * H * W - 1] and want.tolist()[2:11] == [-1] * 9
+    # an empty grid drops every point; no points: nothing written
+    assert bool((_cells_kernel(coords, (B, 0, H, W)) == -1).all())
+    assert _cells_kernel(coords[:0], (B, D, H, W)).numel() == 0
+
+
+# (config, batch, channels, dtype): row bytes of 16k (16-byte words), 8 (C 2 float32), 4k
+# (C 67 float32, C 2 float16), 2 (C 67 / 3 float16 / bfloat16)
+BACKWARD_CASES = [
+    ("bevfusion-cam", 1, 80, torch.float32),
+    ("bevfusion-cam", 1, 80, torch.float16),
+    ("bevfusion-cam", 1, 80, torch.bfloat16),
+    ("bevdet-r50", 2, 67, torch.float32),
+    ("bevdet-r50", 2, 67, torch.float16),
+    ("bevdet-r50", 2, 67, torch.bfloat16),
+    ("bevdet-r50", 2, 2, torch.float32),
+    ("bevdet-r50", 2, 2, torch.float16),
+    ("bevdet-r50", 1, 3, torch.bfloat16),
+    ("tiny", 2, 33, torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg, batch, channels, dtype", BACKWARD_CASES, ids=str)
+def test_native_row_grad_kernel(cfg, batch, channels, dtype):
+    """grad_feat[i] = grad_out at cell i (0 for dropped points): exact, every element written
+    (poisoned outputs), bit-identical reruns, the caller's cell dtype either way."""
+    device = native_gpu_device()
+    a = bevfusion_inputs(
+        cfg, batch=batch, channels=channels, dtype=dtype, device=device, keep_out_of_range=True
+    )
+    grid = _bev.Grid(a["B"], a["D"], a["H"], a["W"], a["feats"].shape[1])
+    cells = _bev.coords_to_cells(a["coords"], grid[:4])
+    assert bool((cells < 0).any())
+    grad_out = torch.randn(grid.B, grid.C, grid.Z, grid.Y, grid.X, device=device).to(dtype)
+    want = _bev.row_gather_grad(grad_out, cells, grid)
+    _, row_grad, _ = _bev.native_steps()
+    with _opdef.poisoned_outputs():
+        got = row_grad(grad_out, cells, grid)
+        again = row_grad(grad_out, cells.long(), grid)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+    assert torch.equal(
+        got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        again.view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
+
+
+@pytest.mark.gpu
+def test_native_row_grad_edge_cases():
+    device = native_gpu_device()
+    _, row_grad, _ = _bev.native_steps()
+    grid = _bev.Grid(2, 1, 3, 4, 5)
+    grad_out = torch.randn(2, 5, 1, 3, 4, device=device)
+    # every cell out of range, huge int64 cells, the last cell
+    cells = torch.tensor([-1, 24, 2**40, -(2**40), 23, 0], device=device)
+    got = row_grad(grad_out, cells, grid)
+    assert torch.equal(got, _bev.row_gather_grad(grad_out, cells, grid))
+    assert not got[:4].any()
+    # non-contiguous grad_out (an expanded one, as out.sum().backward() gives)
+    g = torch.ones((), device=device).expand(2, 5, 1, 3, 4)
+    assert torch.equal(row_grad(g, cells, grid), _bev.row_gather_grad(g, cells, grid))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_native_autograd_runs_the_row_grad_kernel(monkeypatch, dtype):
+    """bev_pool's backward through the kernels (as the GPU sessions run it: unverified kernels
+    allowed), at the bevfusion-cam size: exact against the float64 reference, deterministic."""
+    monkeypatch.setenv("MUSPACE_TRY_UNVERIFIED", "1")
+    device = native_gpu_device()
+    a = bevfusion_inputs("bevfusion-cam", dtype=dtype, device=device, keep_out_of_range=True)
+    dims = (a["B"], a["D"], a["H"], a["W"])
+    grads = []
+    for _ in range(2):
+        feats = a["feats"].clone().requires_grad_(True)
+        _poison_allocator(device)
+        out = bev_pool(feats, a["coords"], *dims, backend="cuda")
+        g = torch.randn(out.shape, generator=torch.Generator(device).manual_seed(1), device=device)
+        out.backward(g.to(dtype))
+        grads.append(feats.grad)
+    ref = a["feats"].double().requires_grad_(True)
+    bev_pool_reference(ref, a["coords"], *dims).backward(g.to(dtype).double())
+    assert_close(grads[0], ref.grad.to(dtype), atol=0, rtol=0, name="grad feats")
+    assert torch.equal(grads[0], grads[1])
+    assert_close(out, _want(a, dtype), **tolerance(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("cfg, batch", [("bevfusion-cam", 1), ("bevdet-r50", 2), ("tiny", 1)])
+def test_native_sort_runs_match_reference(cfg, batch, int_dtype):
+    """torch.sort + bev_pool_runs_from_sorted: the stable order, the sorted cells and the runs
+    equal the reference's exactly (poisoned outputs), on frustum cells with dropped points."""
+    device = native_gpu_device()
+    a = bevfusion_inputs(cfg, batch=batch, device=device, keep_out_of_range=True)
+    dims = (a["B"], a["D"], a["H"], a["W"])
+    n_cells = a["B"] * a["D"] * a["H"] * a["W"]
+    cells = _bev.coords_to_cells(a["coords"], dims).to(int_dtype)
+    if int_dtype == torch.int64:
+        cells[::101] = 2**40  # above every int32 key: dropped at the top end
+    want = _bev.sort_runs_reference(cells, n_cells)
+    _, _, sort_runs = _bev.native_steps()
+    with _opdef.poisoned_outputs():
+        got = sort_runs(cells, n_cells, pad=False)
+        padded = sort_runs(cells, n_cells)
+    for name, g, w in zip(want._fields, got, want):
+        assert g.dtype == torch.int32 and torch.equal(g, w), name
+    _assert_padded(padded, want, cells.shape[0], min(cells.shape[0], n_cells))
+
+
+def _assert_padded(padded, want, n, cap):
+    """The valid prefix equals want; the tails are bev_pool_prepare_padded's padding."""
+    k, m = want.order.shape[0], want.interval_starts.shape[0]
+    assert [t.shape[0] for t in padded] == [n, n, cap, cap]
+    for name, g, w in zip(want._fields, padded, want):
+        assert torch.equal(g[: w.shape[0]], w), name
+    device = padded.order.device
+    assert bool((padded.order[k:] == -1).all())
+    pad_cells = torch.arange(2**31 - n + k, 2**31, device=device, dtype=torch.int64)
+    assert torch.equal(padded.ranks_bev[k:].long(), pad_cells)
+    assert not padded.interval_starts[m:].any() and not padded.interval_lengths[m:].any()
+
+
+@pytest.mark.gpu
+def test_native_sort_runs_edge_cases():
+    device = native_gpu_device()
+    _, _, sort_runs = _bev.native_steps()
+    cases = [
+        (torch.full((1000,), -1, dtype=torch.int32), 10),  # every point dropped
+        (torch.full((1000,), 10, dtype=torch.int32), 10),  # every point at n_cells: dropped
+        (torch.tensor([3], dtype=torch.int32), 10),  # one point
+        (torch.full((300_000,), 7, dtype=torch.int32), 10),  # one long run
+        (torch.arange(5000, dtype=torch.int32).flip(0) % 4096, 4096),  # every cell, 1 or 2 each
+        (torch.randint(-5, 2**31 - 1, (50_000,), dtype=torch.int32), 2**31 - 1),  # sparse
+    ]
+    for cells, n_cells in cases:
+        cells = cells.to(device)
+        want = _bev.sort_runs_reference(cells, n_cells)
+        got = sort_runs(cells, n_cells, pad=False)
+        for name, g, w in zip(want._fields, got, want):
+            assert torch.equal(g, w), (name, cells.shape, n_cells)
+        n = cells.shape[0]
+        if n + n_cells <= 2**31:
+            _assert_padded(sort_runs(cells, n_cells), want, n, min(n, n_cells))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sort", ["radix", "counting"])
+def test_native_forward_both_sorts_bit_equal_reruns(monkeypatch, sort):
+    """bev_pool at bevfusion-cam through the radix sort + runs step (as the GPU sessions run it:
+    padded, no host sync) and through MUSPACE_BEV_POOL_ROWS_SORT=counting: each matches the
+    reference and reruns are bit-identical. The two give the same order, but the padded
+    arrays are longer, and bev_pool_v2's partition into blocks depends on their length: equal
+    to float32 rounding, not bit for bit."""
+    monkeypatch.setenv("MUSPACE_TRY_UNVERIFIED", "1")
+    if sort == "counting":
+        monkeypatch.setenv("MUSPACE_BEV_POOL_ROWS_SORT", "counting")
+    device = native_gpu_device()
+    a = bevfusion_inputs("bevfusion-cam", device=device, keep_out_of_range=True)
+    _poison_allocator(device)
+    first = bev_pool(*args_of(a), backend="cuda")
+    assert_close(first, _want(a, torch.float32), **tolerance(torch.float32))
+    assert torch.equal(first, bev_pool(*args_of(a), backend="cuda"))
+    monkeypatch.setenv("MUSPACE_BEV_POOL_ROWS_SORT", "counting" if sort == "radix" else "radix")
+    assert_close(first, bev_pool(*args_of(a), backend="cuda"), **tolerance(torch.float32))
