@@ -24,9 +24,8 @@
 //
 // segment_reduce_forward: a thread per (voxel, channel) sums (or maxes, NaN ignored) the voxel's
 // rows in input order in float32 and rounds once. segment_reduce_backward: sum / mean a thread
-// per (row, 4 channels); max: a thread per (voxel, channel) finds the first row holding the
-// maximum (mmcv's tie rule) and writes the gradient to it and 0 to the voxel's other rows, and
-// the rows of no voxel are zeroed. No atomics, deterministic.
+// per (row, channel); max: a zero fill, then a thread per (voxel, channel) finds the first row
+// holding the maximum (mmcv's tie rule) and gives it the gradient. No atomics, deterministic.
 //
 // Safety: every data-dependent index is checked (order entries against N, starts / counts
 // against K, voxels against M); a bad grouping gives unspecified values, never an illegal
@@ -239,46 +238,27 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// Channels of one row per thread in the backward kernels: four independent loads and stores per
-// thread after the row's voxel is known (one channel per thread left each thread a chain of three
-// dependent loads per element: 61 us for C = 64 at 327k points on the H200, 2026-12-01).
-constexpr int kGradChannels = 4;
-
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
     segment_grad_rows_kernel(const T* __restrict__ grad_out, int n, int channels,
                              const int* __restrict__ counts, const int* __restrict__ point2voxel,
                              int m, int reduce, T* __restrict__ grad) {
-  const int groups = (channels + kGradChannels - 1) / kGradChannels;
-  const int64_t total = static_cast<int64_t>(n) * groups;
+  const int64_t total = static_cast<int64_t>(n) * channels;
   if (channels <= 0) return;
-  RowCol rc(global_thread(), global_threads(), groups);
+  RowCol rc(global_thread(), global_threads(), channels);
   for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
-    const int64_t i = rc.row;
-    const int c0 = rc.col * kGradChannels;
-    const int c1 = ::min(channels, c0 + kGradChannels);
+    const int i = static_cast<int>(rc.row);
+    const int c = rc.col;
     const int v = point2voxel[i];
-    const bool in_voxel = static_cast<unsigned>(v) < static_cast<unsigned>(m);
-    // mean: divided (not multiplied by a reciprocal), as the reference rounds
-    const float count = in_voxel && reduce == kMean ? static_cast<float>(max(counts[v], 1)) : 1.0f;
-    const T* src = grad_out + static_cast<int64_t>(in_voxel ? v : 0) * channels;
-    T* dst = grad + i * channels;
-    for (int c = c0; c < c1; ++c) {
-      float g = 0.0f;
-      if (in_voxel) {
-        g = to_float(src[c]);
-        if (reduce == kMean) g = g / count;
-      }
-      dst[c] = from_float<T>(g);
+    float g = 0.0f;
+    if (static_cast<unsigned>(v) < static_cast<unsigned>(m)) {
+      g = to_float(grad_out[static_cast<int64_t>(v) * channels + c]);
+      if (reduce == kMean) g = g / static_cast<float>(max(counts[v], 1));
     }
+    grad[e] = from_float<T>(g);
   }
 }
 
-// max: a thread per (voxel, channel) finds the first row holding the maximum (mmcv's tie rule),
-// then writes channel c of every row of the voxel (the gradient to that row, 0 to the others):
-// each row is written once, in full, with no zero fill of the whole gradient first (that fill
-// and the scattered 4-byte stores into it took 22 + 79 us for C = 64 on the H200, 2026-12-01).
-// Rows in no voxel are zeroed by segment_grad_unassigned_kernel.
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
     segment_grad_max_kernel(const T* __restrict__ grad_out, const T* __restrict__ feats, int n,
@@ -305,23 +285,7 @@ __global__ void __launch_bounds__(kBlock)
         arg = i;
       }
     }
-    const T g = grad_out[e];
-    for (int j = s; j < end; ++j) {
-      const int i = order[j];
-      if (static_cast<unsigned>(i) >= static_cast<unsigned>(n)) continue;
-      grad[static_cast<int64_t>(i) * channels + c] = i == arg ? g : from_float<T>(0.0f);
-    }
-  }
-}
-
-// max: the rows of no voxel (dropped rows: point2voxel -1) get a zero gradient.
-template <typename T>
-__global__ void __launch_bounds__(kBlock)
-    segment_grad_unassigned_kernel(int n, int channels, const int* __restrict__ point2voxel, int m,
-                                   T* __restrict__ grad) {
-  for (int64_t i = global_thread(); i < n; i += global_threads()) {
-    if (static_cast<unsigned>(point2voxel[i]) < static_cast<unsigned>(m)) continue;
-    for (int c = 0; c < channels; ++c) grad[i * channels + c] = from_float<T>(0.0f);
+    if (arg >= 0) grad[static_cast<int64_t>(arg) * channels + c] = grad_out[e];
   }
 }
 
@@ -544,18 +508,15 @@ void reduce_backward(TensorView grad_out, TensorView feats, TensorView order, Te
   dispatch_float(feats, "feats", [&](auto tag) {
     using T = decltype(tag);
     if (r != kMax) {
-      const int64_t groups = (g.channels + kGradChannels - 1) / kGradChannels;
-      segment_grad_rows_kernel<T><<<blocks_for(g.n * groups, device_id), kBlock, 0, st>>>(
+      segment_grad_rows_kernel<T><<<blocks_for(g.n * g.channels, device_id), kBlock, 0, st>>>(
           data_of<const T>(grad_out), static_cast<int>(g.n), static_cast<int>(g.channels),
           data_of<const int>(counts), data_of<const int>(point2voxel), static_cast<int>(g.m), r,
           data_of<T>(grad));
       check_launch("segment_grad_rows_kernel");
       return;
     }
-    segment_grad_unassigned_kernel<T><<<blocks_for(g.n, device_id), kBlock, 0, st>>>(
-        static_cast<int>(g.n), static_cast<int>(g.channels), data_of<const int>(point2voxel),
-        static_cast<int>(g.m), data_of<T>(grad));
-    check_launch("segment_grad_unassigned_kernel");
+    launch_zero(data_of(grad), grad.numel() * element_bytes(grad), device_id, st,
+                "segment_reduce fill (grad)");
     if (g.m * g.channels == 0) return;
     segment_grad_max_kernel<T><<<blocks_for(g.m * g.channels, device_id), kBlock, 0, st>>>(
         data_of<const T>(grad_out), data_of<const T>(feats), static_cast<int>(g.n),

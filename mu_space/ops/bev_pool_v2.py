@@ -432,14 +432,17 @@ def _backward_frustum(grad_out, depth, feat, ranks_depth, ranks_feat, ranks_bev,
     vectors) or, in the deterministic mode, where some point is outside the layout (one host
     synchronisation reads that flag). The default mode adds such points with float32 atomics."""
     C = feat.shape[-1]
-    grad_rows = grad_out.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous()
+    # Every buffer below is written in full by the copy or the kernels: no deterministic-mode
+    # fill of them (the deterministic backward took 166-215 us against the default's 42-61 us
+    # on the H200, 2026-12-01, with those fills and the same kernels)
+    with _opdef.no_fill():
+        grad_rows = grad_out.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous()
     # float32 outputs where atomics may add to them (default mode); else feat's dtype directly.
     out_dtype = feat.dtype if deterministic else torch.float32
-    device = feat.device
-    point_of_depth = torch.empty(depth.numel(), dtype=torch.int32, device=device)
-    irregular = torch.empty(1, dtype=torch.int32, device=device)
-    grad_depth = torch.empty(depth.shape, dtype=out_dtype, device=device)
-    grad_feat = torch.empty(feat.shape, dtype=out_dtype, device=device)
+    point_of_depth = _opdef.new_output(depth, (depth.numel(),), torch.int32)
+    irregular = _opdef.new_output(depth, (1,), torch.int32)
+    grad_depth = _opdef.new_output(depth, tuple(depth.shape), out_dtype)
+    grad_feat = _opdef.new_output(feat, tuple(feat.shape), out_dtype)
     covered = native.function("bev_pool_v2_backward_frustum")(
         grad_rows,
         depth,
