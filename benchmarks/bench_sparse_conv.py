@@ -62,10 +62,12 @@ TARGETS = ()  # relative to spconv: benchmarks/_spconv_peer.py (TARGET_RATIO, GO
 # rounding errors fluctuates more (a 1.25 x slack failed there on the H200, 2026-12-01), and on
 # the full frame, float32 forward + backward, spconv's worst result was 2.6 x (result 1: 0.00172
 # vs 0.000657) and ours 2.8 x (result 45: 0.00135 vs 0.000477) further off float64 than the
-# reference's (same run): the slack is 3, and float16
-# gets a floor of 8 units of its roundoff (2^-11). A wrong rule-book pair or kernel offset moves a
-# result by far more (order 1e-2 to 1 relative).
-ENCODER_SLACK = 3.0
+# reference's (same run). With the im2col path (one GEMM per layer, K x C_in-long dot products;
+# H200, 2026-12-01) ours reached 3.3 x (result 12: 0.00344 vs 0.00103) and spconv 4.2 x
+# (0.0043) on the same result, so the slack is 5; float16 gets a floor of 8 units of its
+# roundoff (2^-11). A wrong rule-book pair or kernel offset moves a result by far more (order
+# 1e-2 to 1 relative).
+ENCODER_SLACK = 5.0
 ENCODER_FLOOR = {torch.float32: 1e-6, torch.float16: 8 * 2.0**-11}
 # spconv's twins (implicit GEMM, its own accumulation order and float16 rounding): max-relative
 PEER_TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
