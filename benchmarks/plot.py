@@ -110,9 +110,12 @@ def _title(doc: dict, records: list[dict]) -> str:
 
 
 def plot_results(json_path: Path | str) -> Path | None:
-    """Write <json_path>.png; returns its path, or None when the file holds no timed case."""
+    """Write <json_path>.png; returns its path, or None when the file holds no timed case (or is
+    not a benchmark's results file, e.g. a profile's JSON next to them)."""
     json_path = Path(json_path)
     doc = json.loads(json_path.read_text())
+    if not isinstance(doc, dict):
+        return None
     timed = [r for r in doc.get("results", []) if r.get("median_us")]
     if not timed:
         return None

@@ -334,9 +334,13 @@ def test_plot_writes_png(tmp_path, clock):
     from benchmarks import plot
 
     path = harness.write_results("toy", _sample_records(clock), tmp_path, {}, 1000.0)
+    # a profile's JSON (a list) in the same tree is skipped, not a crash
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "profile.json").write_text("[{}]")
     assert plot.main([str(tmp_path)]) == 0
     png = path.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "profiles" / "profile.png").exists()
 
 
 # --------------------------------------------------------------------------- checks
