@@ -11,6 +11,7 @@
 
 #include <tvm/ffi/function.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -220,8 +221,8 @@ void forward(TensorView feats, TensorView coors, TensorView cell_map, TensorView
     constexpr int K = Vector16<W>::kCells;
     if (plane % K == 0 && is_aligned(canvas, 16)) {
       const int chunks = static_cast<int>((k.channels + kChannelChunk - 1) / kChannelChunk);
-      const dim3 grid(blocks_for(plane / K, device_id), ::min(chunks, 65535),
-                      ::min(k.batch, 65535));
+      const dim3 grid(blocks_for(plane / K, device_id), std::min(chunks, 65535),
+                      std::min(k.batch, 65535));
       canvas_vector_kernel<W><<<grid, kBlock, 0, st>>>(
           data_of<const W>(feats), static_cast<int>(k.m), static_cast<int>(k.channels),
           data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
