@@ -712,16 +712,21 @@ def test_native_forward_lane_layouts(dtype, channels):
     assert_close(out, bev_pool_v2_reference(*args), **tolerance(dtype))
 
 
+def _feat_at_offset(feat: torch.Tensor, elements: int) -> torch.Tensor:
+    """A copy of feat that starts `elements` elements past an allocation's (aligned) start."""
+    storage = torch.empty(feat.numel() + elements, dtype=feat.dtype, device=feat.device)
+    out = storage[elements:].view(feat.shape)
+    out.copy_(feat)
+    return out
+
+
 @pytest.mark.gpu
 def test_native_forward_16_byte_aligned_feat_uses_narrower_vectors():
     """feat 16- but not 32-byte aligned: float32 rows fall back from 32- to 16-byte vectors."""
     device = native_gpu_device()
     args = list(make_inputs("bevdet-r50", channels=64, device=device))
-    storage = torch.empty(args[1].numel() + 4, device=device)
-    feat = storage[4:].view(args[1].shape)
-    assert feat.data_ptr() % 32 == 16
-    feat.copy_(args[1])
-    args[1] = feat
+    args[1] = _feat_at_offset(args[1], 4)
+    assert args[1].data_ptr() % 32 == 16
     out = poisoned(_out_shape(args), torch.float32, device)
     _native_forward(args, out)
     assert_close(out, bev_pool_v2_reference(*args), **tolerance(torch.float32))
@@ -753,10 +758,7 @@ def test_native_forward_vector_bytes_knob_keeps_results():
 def test_native_forward_unaligned_feat_falls_back_to_scalar_loads():
     device = native_gpu_device()
     args = list(make_inputs("tiny", channels=64, device=device))
-    storage = torch.empty(args[1].numel() + 1, device=device)
-    feat = storage[1:].view(args[1].shape)  # 4-byte offset: no 16-byte vector loads possible
-    feat.copy_(args[1])
-    args[1] = feat
+    args[1] = _feat_at_offset(args[1], 1)  # 4-byte offset: no 16-byte vector loads possible
     out = poisoned(_out_shape(args), torch.float32, device)
     _native_forward(args, out)
     assert_close(out, bev_pool_v2_reference(*args), **tolerance(torch.float32))

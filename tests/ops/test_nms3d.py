@@ -262,8 +262,8 @@ def test_native_suppression_chains():
 def test_native_nms_bev_order_with_ties_and_signed_zeros(n):
     """nms_bev's native path leaves out mmcv's second sort where torch's sort is stable (more
     than 32 boxes visited, at most 4096 scores): the order must stay the double sort's, with
-    heavily tied scores, -0.0 next to +0.0 and NaN scores (both signs), for every pre_max_size around the
-    sort algorithms' size boundaries."""
+    heavily tied scores, -0.0 next to +0.0 and NaN scores (both signs), for every pre_max_size
+    around the sort algorithms' size boundaries."""
     from mu_space.ops import iou3d
 
     device = native_gpu_device()
@@ -438,16 +438,23 @@ def test_kernel_model_chains_inside_and_across_tiles():
         assert _kernel_model(sup, 40, seed=seed) == want[:40]
 
 
-def test_kernel_model_on_detections():
-    """The suppression matrix of real clustered detections (the reference's IoU3D decisions in
-    mmcv's visiting order) through the model, against the op's reference keep list."""
-    boxes, scores = box_inputs.detections(500, seed=5, extent=30.0)
+def _detection_suppression(n: int, *, seed: int, extent: float, thresh: float):
+    """(boxes, scores, order, sup) of n clustered detections: mmcv's visiting order and the
+    reference's IoU3D suppression matrix in that order (numpy bool [n, n])."""
+    boxes, scores = box_inputs.detections(n, seed=seed, extent=extent)
     order = scores.sort(0, descending=True)[1]
     r = _box3d.rects(boxes[order], _box3d.LIDAR7)
     a = _box3d.Rects(*(t[:, None] for t in r))
     b = _box3d.Rects(*(t[None, :] for t in r))
-    thr = _box3d.f32_nearest(0.5)
+    thr = _box3d.f32_nearest(thresh)
     sup = _box3d.suppress(_box3d.pair_values(a, b, _box3d.IOU3D), thr, _box3d.IOU3D).numpy()
+    return boxes, scores, order, sup
+
+
+def test_kernel_model_on_detections():
+    """The suppression matrix of real clustered detections (the reference's IoU3D decisions in
+    mmcv's visiting order) through the model, against the op's reference keep list."""
+    boxes, scores, order, sup = _detection_suppression(500, seed=5, extent=30.0, thresh=0.5)
     want = nms3d(boxes, scores, 0.5, backend="reference").tolist()
     assert 100 < len(want) < 500
     for max_keep in (None, 83):
@@ -511,8 +518,8 @@ def test_fixed_point_model_is_the_greedy_result(n, density):
 def test_fixed_point_model_rounds():
     """A chain (i suppresses only i + 1) settles one box per round: 300 boxes do not converge in
     the kernel's 32 rounds (the walk takes over), 20 do; a clique takes two rounds (one to
-    remove all but its first box, one that sees no change); real detections at the benchmark's density (4096 in a 100 m
-    square: here 1024 in 50 m) in a handful."""
+    remove all but its first box, one that sees no change); real detections at the benchmark's
+    density (4096 in a 100 m square: here 1024 in 50 m) in a handful."""
     for n, converges in ((20, True), (300, False)):
         sup = torch.zeros(n, n, dtype=torch.bool)
         idx = torch.arange(n - 1)
@@ -523,13 +530,7 @@ def test_fixed_point_model_rounds():
             assert got == _greedy_positions(sup.numpy())
     clique = torch.ones(100, 100, dtype=torch.bool).numpy()
     assert _fixed_point_model(clique) == ([0], 2)
-    boxes, scores = box_inputs.detections(1024, seed=7, extent=25.0)
-    order = scores.sort(0, descending=True)[1]
-    r = _box3d.rects(boxes[order], _box3d.LIDAR7)
-    a = _box3d.Rects(*(t[:, None] for t in r))
-    b = _box3d.Rects(*(t[None, :] for t in r))
-    thr = _box3d.f32_nearest(0.7)
-    sup = _box3d.suppress(_box3d.pair_values(a, b, _box3d.IOU3D), thr, _box3d.IOU3D).numpy()
+    boxes, scores, order, sup = _detection_suppression(1024, seed=7, extent=25.0, thresh=0.7)
     got, rounds = _fixed_point_model(sup)
     want = nms3d(boxes, scores, 0.7, backend="reference").tolist()
     assert [int(order[p]) for p in got] == want
