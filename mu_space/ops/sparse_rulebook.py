@@ -11,11 +11,12 @@ offset are compacted in ascending input row (a cumulative sum). Vectorised over 
 offsets; no Python loop over points.
 
 Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_rulebook_musa.mu; GPU
-suite passed on an H200, sanitizers pending: `unverified`): a GPU hash table of the input keys (SubM lookups) or of the
-sorted unique output keys (strided / transposed: candidates -> torch.sort -> unique), then a
-stable per-offset compaction by one exclusive scan: the same layout and order, so the native and
-reference rule books are equal element by element. One host synchronisation (the error flags,
-and M for strided / transposed).
+suite, memcheck and racecheck clean on an H200): a GPU hash table of the input keys (SubM
+lookups) or of the sorted unique output keys (strided / transposed: candidates -> torch.sort ->
+unique), then a stable per-offset compaction by one exclusive scan: the same layout and order, so
+the native and reference rule books are equal element by element. One host synchronisation (the
+error flags, and M for strided / transposed); none for a SubM rule book over sites already
+checked for the same grid (_sparse_native.VALID_SITES).
 """
 
 from __future__ import annotations

@@ -425,3 +425,71 @@ def test_a_rule_book_modified_after_its_check_is_checked_again():
     rb.indice_pairs[3, 1, 0] = len(idx)
     with pytest.raises(ValueError, match="indice_pairs"):
         sparse_conv(x, w, rb.indice_pairs, *args, backend="native")
+
+
+# ------------------------------------------- sites known valid: no flag read (CPU + GPU)
+
+
+def test_valid_sites_entry_lives_with_its_tensor_grid_and_version():
+    """_sparse_native.VALID_SITES answers only for the same tensor object, the same (batch,
+    spatial shape) grid and unmodified contents; inference tensors are never recorded."""
+    from mu_space.ops._sparse_native import _ValidSites
+
+    sites = _ValidSites()
+    idx = torch.zeros(3, 4, dtype=torch.int32)
+    grid = (2, (41, 1440, 1440))
+    sites.add(idx, grid)
+    assert sites.holds(idx, grid)
+    assert not sites.holds(idx, (3, (41, 1440, 1440)))  # another batch size
+    assert not sites.holds(idx, (2, (21, 720, 720)))  # another grid
+    assert not sites.holds(idx.clone(), grid)  # another object, same values
+    idx[0, 1] = 5  # in place: no longer known
+    assert not sites.holds(idx, grid)
+    with torch.inference_mode():
+        frozen = torch.zeros(3, 4, dtype=torch.int32)
+    sites.add(frozen, grid)
+    assert not sites.holds(frozen, grid)
+    keep = [torch.zeros(1, 4, dtype=torch.int32) for _ in range(sites.MAX_ENTRIES + 5)]
+    for t in keep:
+        sites.add(t, grid)
+    assert len(sites._entries) == sites.MAX_ENTRIES  # bounded, the newest stay
+    assert sites.holds(keep[-1], grid) and not sites.holds(keep[0], grid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first", ["subm k3", "strided k3 s2 p1"])
+def test_subm_rule_book_over_a_rule_books_sites_does_not_synchronise(first):
+    """A SubM rule book over sites a native rule book checked (SubM: the input and its copy;
+    strided: the unique decoded keys) reads no flags back, and still equals the reference."""
+    idx, batch = lidar_indices(keep=4000)
+    rb = _rulebook(idx, batch, first, "native")
+    shape = (
+        SPARSE_SHAPE
+        if first == "subm k3"
+        else _sparse.conv_output_size(SPARSE_SHAPE, [3] * 3, [2] * 3, [1] * 3, [1] * 3)
+    )
+    sites = rb.out_indices
+    rulebooks = [(sites, shape)]
+    if first == "subm k3":
+        rulebooks.append((idx, SPARSE_SHAPE))  # the checked input itself (a SubM layer's output)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
+    try:
+        got = [_rulebook(t, batch, "subm k3", "native", s) for t, s in rulebooks]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for (t, s), rb_native in zip(rulebooks, got):
+        want = _rulebook(t, batch, "subm k3", "reference", s)
+        for a, b in zip(rb_native, want):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_rule_book_sites_modified_in_place_are_checked_again():
+    """Writing a duplicate site into a rule book's output indices makes them unknown again: the
+    next SubM rule book reads its flags and raises the reference's duplicate error."""
+    idx, batch = lidar_indices(keep=2000)
+    sites = _rulebook(idx, batch, "subm k3", "native").out_indices
+    sites[1] = sites[0]
+    with pytest.raises(ValueError, match="duplicate|repeated|twice"):
+        _rulebook(sites, batch, "subm k3", "native")
