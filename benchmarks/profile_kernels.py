@@ -11,7 +11,7 @@ autograd on a graph built before the range), bev_pool_prepare
 (bevdet-r50), bev_pool (bevfusion-cam float32), multi_scale_deformable_attn forward and backward
 (deformable-detr and bevformer-base-tsa, float32), and the voxel family (voxel_workloads:
 dynamic_scatter, voxelization, pillar_scatter), nms3d / nms_bev of 4096 detections and
-points_in_boxes_all (box3d_workloads), and the CenterPoint SparseEncoder forward. Each is warmed up first, so only the timed call's
+points_in_boxes_all, RoIAwarePool3d forward / backward (box3d_workloads), and the CenterPoint SparseEncoder forward. Each is warmed up first, so only the timed call's
 kernels fall inside the range. ncu flushes caches between kernel replays by default
 (cold L2, as the benchmarks).
 """
@@ -48,7 +48,7 @@ def workloads():
     B, Z, Y, X, C = args[5]
     grad = torch.randn((B, C, Z, Y, X), device=dev)
     graph = bench_bev_pool_v2.backward_args(args, grad, "native")()
-    yield "bev_pool_v2-bwd-bevdet-r50-float32", lambda: harness.autograd_backward(*graph)
+    yield "bev_pool_v2-bwd-bevdet-r50-float32", lambda g=graph: harness.autograd_backward(*g)
     g = bev_geometry.make("bevdet-r50")
     coor = g["coor"].to(dev)
     yield (
@@ -62,7 +62,7 @@ def workloads():
         "bev_pool-bevfusion-cam-float32",
         lambda: bev_pool(f["feats"], f["coords"], f["B"], f["D"], f["H"], f["W"], backend="native"),
     )
-    for cfg in ("deformable-detr", "bevformer-base-tsa"):
+    for cfg in ("deformable-detr", "bevformer-base-tsa", "bevformer-base-sca"):
         m = msda_inputs.args(msda_inputs.make(cfg, device=dev))
         value, shapes, starts, loc, attn = m
         graph = harness.backward_args(
@@ -91,6 +91,27 @@ def box3d_workloads():
     yield "nms_bev-4096-500", lambda: nms_bev(bev, scores, 0.7, 4096, 500, backend="native")
     pts, bxs = bench_points_in_boxes.frame(None, 200, False)
     yield "points_in_boxes_all-300k-200", lambda: points_in_boxes_all(pts, bxs, backend="native")
+    yield from roiaware_workloads()
+
+
+def roiaware_workloads():
+    """RoIAwarePool3d at the issue-12 shape (128 RoIs x 14^3 cells, 300k points; max C = 16,
+    avg C = 4 as the benchmark) forward and backward: the max backward missed its target
+    (H200, 2026-12-01)."""
+    from benchmarks import bench_roiaware_pool3d
+    from mu_space.ops.roiaware import roiaware_pool3d
+
+    rois, pts = bench_roiaware_pool3d.inputs(128, None, False)
+    for mode, C in (("max", 16), ("avg", 4)):  # the benchmark's parta2 cases
+        feats = torch.randn(pts.shape[0], C, device=pts.device)
+        yield (
+            f"roiaware-fwd-{mode}",
+            lambda m=mode, f=feats: roiaware_pool3d(rois, pts, f, 14, 128, m, backend="native"),
+        )
+        leaf = feats.detach().requires_grad_(True)
+        out = roiaware_pool3d(rois, pts, leaf, 14, 128, mode, backend="native")
+        graph = (out, (leaf,), torch.randn_like(out))
+        yield f"roiaware-bwd-{mode}", lambda g=graph: harness.autograd_backward(*g)
 
 
 def sparse_workloads(dev):
