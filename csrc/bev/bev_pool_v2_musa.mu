@@ -777,7 +777,8 @@ __global__ void __launch_bounds__(kThreads)
                           const int* __restrict__ ranks_bev, int* __restrict__ point_of_depth,
                           int* __restrict__ irregular, int n_points, int n_depth, int n_rows,
                           int n_cells, int bins_hw, int hw) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) *irregular = 0;  // set by the last kernel only
+  // set by the last kernel only; nullptr: the caller knows every point is in the layout
+  if (irregular != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *irregular = 0;
   for (int64_t i = global_thread(); i < n_points; i += global_threads()) {
     const int rd = ranks_depth[i], rf = ranks_feat[i], cell = ranks_bev[i];
     if (valid_point(rd, rf, cell, n_depth, n_rows, n_cells) && rf == frustum_row(rd, bins_hw, hw)) {
@@ -1280,11 +1281,12 @@ void backward_feat_sorted(TensorView grad_rows, Optional<TensorView> depth,
 //   float32 (float32 with add_irregular);
 // - irregular int32 [1]: := 1 if some valid point is outside the layout (a repeated ranks_depth,
 //   or ranks_feat not its ray's row), else 0. Their terms are added with float32 atomics when
-//   add_irregular, else left out (the caller recomputes).
+//   add_irregular, else left out (the caller recomputes). None: the caller knows the ranks are
+//   in the layout (bev_pool_prepare's), and the pass that looks for such points is skipped.
 bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
                       TensorView ranks_depth, TensorView ranks_feat, TensorView ranks_bev,
                       TensorView point_of_depth, TensorView grad_depth, TensorView grad_feat,
-                      TensorView irregular, bool add_irregular, int64_t stream) {
+                      Optional<TensorView> irregular, bool add_irregular, int64_t stream) {
   const Points pts = check_points(feat, "feat", Optional<TensorView>(depth),
                                   Optional<TensorView>(ranks_depth), ranks_feat, ranks_bev);
   const int64_t n = pts.n, channels = pts.channels;
@@ -1296,7 +1298,11 @@ bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
                               << kMaxCells;
   }
   check_vector(point_of_depth, "point_of_depth", feat, kInt32, depth.numel());
-  check_vector(irregular, "irregular", feat, kInt32, 1);
+  if (irregular.has_value()) check_vector(*irregular, "irregular", feat, kInt32, 1);
+  if (add_irregular && !irregular.has_value()) {
+    TVM_FFI_THROW(ValueError) << "add_irregular needs the irregular flag tensor";
+  }
+  int* irregular_flag = irregular.has_value() ? data_of<int>(*irregular) : nullptr;
   check_device(grad_depth, "grad_depth", feat);
   check_contiguous(grad_depth, "grad_depth");
   check_same_shape(grad_depth, "grad_depth", depth, "depth");
@@ -1326,7 +1332,9 @@ bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
   const gpuStream_t s = as_stream(stream);
   const int n_rows = static_cast<int>(feat.numel() / channels);
   if (n_rows == 0) {  // no rows, no depth entries: nothing to write but the flag
-    launch_zero(data_of(irregular), 4, device_id, s, "bev_pool_v2 fill (irregular)");
+    if (irregular_flag != nullptr) {
+      launch_zero(irregular_flag, 4, device_id, s, "bev_pool_v2 fill (irregular)");
+    }
     return true;
   }
   const int bins = static_cast<int>(depth.size(2));
@@ -1338,7 +1346,7 @@ bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
   const int point_grid = grid_for(n, kThreads, device_id, 8);
   frustum_points_kernel<<<point_grid, kThreads, 0, s>>>(
       data_of<const int>(ranks_depth), data_of<const int>(ranks_feat),
-      data_of<const int>(ranks_bev), data_of<int>(point_of_depth), data_of<int>(irregular),
+      data_of<const int>(ranks_bev), data_of<int>(point_of_depth), irregular_flag,
       static_cast<int>(n), n_depth, n_rows, n_cells, bins * hw, hw);
   check_launch("bev_pool_v2 frustum_points_kernel");
   dispatch_float(feat, "feat", [&](auto tag) {
@@ -1360,12 +1368,13 @@ bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
       } else {
         launch(T{});
       }
+      if (irregular_flag == nullptr) return;  // no point outside the layout: no pass for them
       irregular_points_kernel<T><<<point_grid, kThreads, 0, s>>>(
           data_of<const T>(grad_rows), data_of<const T>(depth), data_of<const T>(feat),
           data_of<const int>(ranks_depth), data_of<const int>(ranks_feat),
           data_of<const int>(ranks_bev), data_of<const int>(point_of_depth),
           add_irregular ? data_of<float>(grad_depth) : nullptr,
-          add_irregular ? data_of<float>(grad_feat) : nullptr, data_of<int>(irregular),
+          add_irregular ? data_of<float>(grad_feat) : nullptr, irregular_flag,
           static_cast<int>(n), n_depth, n_rows, n_cells, static_cast<int>(channels), bins * hw, hw);
       check_launch("bev_pool_v2 irregular_points_kernel");
     });

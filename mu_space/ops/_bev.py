@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import operator
 import os
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -29,6 +30,51 @@ class Grid(NamedTuple):
     @property
     def n_cells(self) -> int:
         return self.B * self.Z * self.Y * self.X
+
+
+class _FrustumRanks:
+    """(ranks_depth, ranks_feat) pairs known to be in the frustum layout of a depth
+    [B, N, D, H, W]: every valid point has its own depth entry and its ray's feat row. The
+    prepare ops (reference and native, padded too) build only such ranks and record them here,
+    so bev_pool_v2's backward runs its atomic-free kernels with no irregular-point pass to
+    read back: one path for the default and the deterministic mode. Hand-made ranks are not
+    recorded (the backward checks them on the device). An entry holds while both tensors live
+    and neither is modified in place (version counters)."""
+
+    MAX_ENTRIES = 64
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    @staticmethod
+    def _versions(ranks_depth, ranks_feat):
+        if ranks_depth.is_inference() or ranks_feat.is_inference():
+            return None
+        return (ranks_depth._version, ranks_feat._version)
+
+    def add(self, ranks_depth, ranks_feat, layout) -> None:
+        versions = self._versions(ranks_depth, ranks_feat)
+        if versions is None:
+            return
+        if len(self._entries) >= self.MAX_ENTRIES:  # drop the dead ones first, then the oldest
+            for key in [k for k, v in self._entries.items() if v[0]() is None or v[1]() is None]:
+                del self._entries[key]
+            while len(self._entries) >= self.MAX_ENTRIES:
+                del self._entries[next(iter(self._entries))]
+        key = (id(ranks_depth), id(ranks_feat), tuple(layout))
+        self._entries[key] = (weakref.ref(ranks_depth), weakref.ref(ranks_feat), versions)
+
+    def holds(self, ranks_depth, ranks_feat, layout) -> bool:
+        entry = self._entries.get((id(ranks_depth), id(ranks_feat), tuple(layout)))
+        return (
+            entry is not None
+            and entry[0]() is ranks_depth
+            and entry[1]() is ranks_feat
+            and entry[2] == self._versions(ranks_depth, ranks_feat)
+        )
+
+
+FRUSTUM_RANKS = _FrustumRanks()
 
 
 def as_int(value, name: str) -> int:

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from mu_space.ops import _opdef
-from mu_space.ops._bev import INT32_MAX
+from mu_space.ops._bev import FRUSTUM_RANKS, INT32_MAX
 from mu_space.ops._checks import dtype_name
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
@@ -268,13 +268,23 @@ def bev_pool_prepare_reference(
     hw = H * W
     ranks_feat = (ranks_depth // (D * hw)) * hw + ranks_depth % hw
     starts, lengths = _intervals(ranks_bev)
-    return BEVPoolRanks(
-        ranks_bev.to(torch.int32),
-        ranks_depth.to(torch.int32),
-        ranks_feat.to(torch.int32),
-        starts,
-        lengths,
+    return _frustum(
+        BEVPoolRanks(
+            ranks_bev.to(torch.int32),
+            ranks_depth.to(torch.int32),
+            ranks_feat.to(torch.int32),
+            starts,
+            lengths,
+        ),
+        coor,
     )
+
+
+def _frustum(ranks, coor):
+    """`ranks` (BEVPoolRanks or BEVPoolRanksPadded, built from coor [B, N, D, H, W, 3]),
+    recorded as frustum-layout ranks of a depth [B, N, D, H, W] (_bev.FRUSTUM_RANKS)."""
+    FRUSTUM_RANKS.add(ranks.ranks_depth, ranks.ranks_feat, tuple(coor.shape[:5]))
+    return ranks
 
 
 def sort_by_cell_reference(cell: torch.Tensor, n_cells: int) -> CellSort:
@@ -323,7 +333,8 @@ def bev_pool_prepare_padded_reference(
     for t, src in zip(outs, r):
         t[: src.shape[0]] = src
     counts = [r.ranks_bev.shape[0], r.interval_starts.shape[0]]
-    return BEVPoolRanksPadded(*outs, torch.tensor(counts, dtype=torch.int32, device=coor.device))
+    counts = torch.tensor(counts, dtype=torch.int32, device=coor.device)
+    return _frustum(BEVPoolRanksPadded(*outs, counts), coor)
 
 
 # --------------------------------------------------------------------------- native
@@ -494,7 +505,7 @@ def _prepare_native(coor, lower, interval, size, n, n_cells) -> BEVPoolRanks:
     outs[2].resize_(k)
     outs[3].resize_(m)
     outs[4].resize_(m)
-    return BEVPoolRanks(*outs)
+    return _frustum(BEVPoolRanks(*outs), coor)
 
 
 def _prepare_padded_native(coor, lower, interval, size, n, n_cells) -> BEVPoolRanksPadded:
@@ -514,7 +525,7 @@ def _prepare_padded_native(coor, lower, interval, size, n, n_cells) -> BEVPoolRa
         0,
         stream_handle(coor),
     )
-    return BEVPoolRanksPadded(*outs, workspace[:2].clone())
+    return _frustum(BEVPoolRanksPadded(*outs, workspace[:2].clone()), coor)
 
 
 def _sort_native(cell, n_cells) -> CellSort:

@@ -14,7 +14,9 @@ Native path:
   outside that layout (a repeated ranks_depth, ranks_feat not the ray's row: hand-made ranks)
   are found by a last pass: the default mode adds them with float32 atomics; under
   `torch.use_deterministic_algorithms(True)` a flag read (one host synchronisation) sends such
-  calls to the sorted path below.
+  calls to the sorted path below. Ranks that bev_pool_prepare / bev_pool_prepare_padded built
+  are recorded as in the layout (_bev.FRUSTUM_RANKS): for them that pass is skipped and both
+  modes are one path, bit-identical, with nothing read back.
 - backward otherwise (depth=None, other shapes, wide C), default: grad_depth and grad_feat are
   accumulated with float32 atomics into float32 buffers (cast once for float16 / bfloat16). A
   grad_depth element receives one add per point that indexes it, so with unique ranks_depth it
@@ -430,17 +432,22 @@ def _backward_frustum(grad_out, depth, feat, ranks_depth, ranks_feat, ranks_bev,
     """(grad_depth, grad_feat) by the frustum-layout kernels, or None where they do not apply
     (shapes other than depth [B, N, D, H, W] / feat [B, N, H, W, C], more than 32 channel
     vectors) or, in the deterministic mode, where some point is outside the layout (one host
-    synchronisation reads that flag). The default mode adds such points with float32 atomics."""
+    synchronisation reads that flag). The default mode adds such points with float32 atomics.
+    Ranks the prepare ops built (_bev.FRUSTUM_RANKS) have no such point: both modes then run
+    the same launches into feat's dtype, with nothing read back."""
     C = feat.shape[-1]
+    regular = _bev.FRUSTUM_RANKS.holds(ranks_depth, ranks_feat, tuple(depth.shape))
     # Every buffer below is written in full by the copy or the kernels: no deterministic-mode
     # fill of them (the deterministic backward took 166-215 us against the default's 42-61 us
     # on the H200, 2026-12-01, with those fills and the same kernels)
     with _opdef.no_fill():
         grad_rows = grad_out.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous()
-    # float32 outputs where atomics may add to them (default mode); else feat's dtype directly.
-    out_dtype = feat.dtype if deterministic else torch.float32
+    # float32 outputs where atomics may add to them (default mode, ranks not known regular);
+    # else feat's dtype directly.
+    add_irregular = not (deterministic or regular)
+    out_dtype = torch.float32 if add_irregular else feat.dtype
     point_of_depth = _opdef.new_output(depth, (depth.numel(),), torch.int32)
-    irregular = _opdef.new_output(depth, (1,), torch.int32)
+    irregular = None if regular else _opdef.new_output(depth, (1,), torch.int32)
     grad_depth = _opdef.new_output(depth, tuple(depth.shape), out_dtype)
     grad_feat = _opdef.new_output(feat, tuple(feat.shape), out_dtype)
     covered = native.function("bev_pool_v2_backward_frustum")(
@@ -454,10 +461,10 @@ def _backward_frustum(grad_out, depth, feat, ranks_depth, ranks_feat, ranks_bev,
         grad_depth,
         grad_feat,
         irregular,
-        not deterministic,
+        add_irregular,
         stream_handle(feat),
     )
-    if not covered or (deterministic and bool(irregular[0])):
+    if not covered or (deterministic and not regular and bool(irregular[0])):
         return None
     return grad_depth.to(depth.dtype), grad_feat.to(feat.dtype)
 

@@ -818,13 +818,14 @@ def test_native_backward_matches_reference(dtype, config, channels, batch, deter
     assert_close(got_d, want_d, **tol, name="grad_depth")
 
 
-def _frustum_entry(grad, args, out_dtype, add_irregular, *, poison=True):
-    """bev_pool_v2_backward_frustum called directly, every output poisoned first."""
+def _frustum_entry(grad, args, out_dtype, add_irregular, *, poison=True, flag=True):
+    """bev_pool_v2_backward_frustum called directly, every output poisoned first; flag=False
+    passes no irregular tensor (the caller vouches for the layout: that pass is skipped)."""
     depth, feat, rd, rf, rb = args[:5]
     device, C = feat.device, feat.shape[-1]
     grad_rows = grad.permute(0, 2, 3, 4, 1).reshape(-1, C).contiguous()
     point_of_depth = torch.full((depth.numel(),), 12345, dtype=torch.int32, device=device)
-    irregular = torch.full((1,), -7, dtype=torch.int32, device=device)
+    irregular = torch.full((1,), -7, dtype=torch.int32, device=device) if flag else None
     gd = poisoned(depth.shape, out_dtype, device)
     gf = poisoned(feat.shape, out_dtype, device)
     covered = native.function("bev_pool_v2_backward_frustum")(
@@ -841,7 +842,7 @@ def _frustum_entry(grad, args, out_dtype, add_irregular, *, poison=True):
         add_irregular,
         torch.cuda.current_stream().cuda_stream,
     )
-    return covered, gd, gf, int(irregular[0])
+    return covered, gd, gf, (int(irregular[0]) if flag else None)
 
 
 @pytest.mark.gpu
@@ -861,6 +862,77 @@ def test_native_frustum_backward_writes_every_element(dtype, config, channels):
         assert_close(gf.to(dtype), want_f, **tol, name="grad_feat")
         assert_close(gd.to(dtype), want_d, **tol, name="grad_depth")
     assert args[2].numel() < args[0].numel()  # some frustum points were dropped
+
+
+def _prepared_on_device(config, dtype, device, channels=None, seed=0):
+    """make_inputs with the ranks bev_pool_prepare builds on the device: recorded as
+    frustum-layout ranks (_bev.FRUSTUM_RANKS), as a model's prepare + pooling has them."""
+    from mu_space.ops._bev import FRUSTUM_RANKS
+    from mu_space.ops.bev_pool_prepare import bev_pool_prepare
+
+    args = list(make_inputs(config, channels=channels, dtype=dtype, device=device, seed=seed))
+    g = bev_geometry.make(config)
+    lo, iv, size = g["grid_lower_bound"], g["grid_interval"], g["grid_size"]
+    r = bev_pool_prepare(g["coor"].to(device), lo, iv, size, backend="native")
+    args[2:5] = r.ranks_depth, r.ranks_feat, r.ranks_bev
+    args[6:8] = r.interval_starts, r.interval_lengths
+    assert FRUSTUM_RANKS.holds(args[2], args[3], tuple(args[0].shape))
+    return tuple(args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("config", ["bevdet-r50", "bevdet-d118", "tiny"])
+def test_native_backward_on_prepared_ranks_is_one_path_for_both_modes(dtype, config):
+    """On ranks bev_pool_prepare built, the default and the deterministic backward (under
+    torch.use_deterministic_algorithms(True)) are the same launches: bit-identical, no host
+    synchronisation through autograd (loss.backward() as a model calls it), and equal to the
+    reference; the flag pass for points outside the layout is skipped (irregular=None)."""
+    device = native_gpu_device()
+    args = _prepared_on_device(config, dtype, device, seed=21)
+    g = torch.randn(_out_shape(args), device=device).to(dtype)
+    want_d, want_f = bev_pool_v2_backward_reference(g, *args)
+    runs = []
+    for deterministic in (False, True, True):
+        d = args[0].detach().clone().requires_grad_(True)
+        f = args[1].detach().clone().requires_grad_(True)
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            out = bev_pool_v2(d, f, *args[2:], backend="native")
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
+            try:
+                out.backward(g)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.use_deterministic_algorithms(False)
+        runs.append((d.grad, f.grad))
+    for other in runs[1:]:
+        assert torch.equal(other[0], runs[0][0]) and torch.equal(other[1], runs[0][1])
+    tol = tolerance(dtype, "bev_pool_v2")
+    assert_close(runs[0][1], want_f, **tol, name="grad_feat")
+    assert_close(runs[0][0], want_d, **tol, name="grad_depth")
+    covered, gd, gf, flag = _frustum_entry(g, args, dtype, False, flag=False)
+    assert covered and flag is None
+    assert torch.equal(gd, runs[0][0]) and torch.equal(gf, runs[0][1])
+
+
+@pytest.mark.gpu
+def test_native_prepared_ranks_modified_in_place_are_checked_again():
+    """Ranks bev_pool_prepare built, then edited in place (a point moved to another feat row):
+    no longer known to be in the layout, so both modes find the point and still equal the
+    reference."""
+    device = native_gpu_device()
+    args = list(_prepared_on_device("bevdet-r50", torch.float32, device, seed=22))
+    args[3][::97] = (args[3][::97] + 5) % _bev_feat_rows(args[1])
+    g = torch.randn(_out_shape(args), device=device)
+    want_d, want_f = bev_pool_v2_backward_reference(g, *args)
+    tol = tolerance(torch.float32, "bev_pool_v2")
+    for deterministic in (False, True):
+        got_d, got_f = backward(g, args, True, True, deterministic, "native")
+        assert_close(got_f, want_f, **tol, name="grad_feat")
+        assert_close(got_d, want_d, **tol, name="grad_depth")
 
 
 @pytest.mark.gpu
