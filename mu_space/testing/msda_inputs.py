@@ -18,6 +18,7 @@ Configs (name -> batch, queries, heads, head_dim, levels (h, w), points):
 - bevformer-base-sca: 6 (cameras), 10000, 8, 32, [(116, 200), (58, 100), (29, 50), (15, 25)], 8
 - deformable-detr:    1, 15200 (100 x 152), 8, 32, [(100, 152), (50, 76), (25, 38), (13, 19)], 8
 - tiny:               2, 24, 2, 8, [(6, 9), (3, 5)], 4 (CPU tests, gradcheck)
+- bevformer-base-tsa-uniform: TSA's shapes, locations uniform in [0, 1)^2 (no locality)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class MSDAConfig:
     query_grid: tuple[int, int]  # (rows, cols) of the reference points; rows * cols >= queries
     offset_noise: float = 0.7  # pixels (std) added to the initial offset pattern
     outside_fraction: float = 0.02  # samples pushed across the border
+    uniform: bool = False  # locations uniform in [0, 1)^2 instead (no locality: a worst case)
 
     @property
     def num_keys(self) -> int:
@@ -89,6 +91,11 @@ CONFIGS = {
     ),
     "tiny": MSDAConfig("tiny", 2, 24, 2, 8, ((6, 9), (3, 5)), 4, (4, 6)),
 }
+# issue 13's "uniform" case: TSA's shapes with uniform random locations (neighbouring queries
+# share no pixels: the gather and the grad_value atomics lose their locality)
+CONFIGS["bevformer-base-tsa-uniform"] = replace(
+    CONFIGS["bevformer-base-tsa"], name="bevformer-base-tsa-uniform", uniform=True
+)
 
 BENCHMARK_CONFIGS = ("bevformer-base-tsa", "bevformer-base-sca", "deformable-detr")
 
@@ -119,6 +126,8 @@ def level_metadata(levels, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
 def sampling_locations(cfg: MSDAConfig, generator: torch.Generator) -> torch.Tensor:
     """float64 [batch, queries, heads, levels, points, 2] (x, y), see the module docstring."""
     b, q, nh, nl, npt = cfg.batch, cfg.queries, cfg.heads, len(cfg.levels), cfg.points
+    if cfg.uniform:
+        return torch.rand(b, q, nh, nl, npt, 2, generator=generator, dtype=torch.float64)
     rows, cols = cfg.query_grid
     idx = torch.arange(q, dtype=torch.float64)
     ref = torch.stack(
