@@ -7,7 +7,8 @@ Rule book (`rulebook_native`), the reference's layout and order element by eleme
   1. `sparse_hash_insert`: a GPU hash table (open addressing, power-of-two capacity >= 2N,
      linear probing bounded by the capacity) of the input keys; rows outside the grid and
      repeated sites set header flags; a repeated key keeps its first row.
-  SubM:
+  SubM (a rule book already built for the same live sites and layer geometry is returned as
+  is: SUBM_RULEBOOKS):
   2. `sparse_rulebook_forward` (mode 0): for every (offset k, input j) the reached site looked
      up in the input table -> output row or -1; an exclusive scan of the flags over the
      flattened [K, N] candidates; the pairs of offset k are the flagged j in ascending order
@@ -184,13 +185,16 @@ def rulebook_native(c, *args):
     n, K = info["n"], info["K"]
     if n == 0 or K * n > native.limit("sparse_rulebook.max_candidates"):
         return _rulebook_reference(args)  # nothing to launch / beyond the int32 candidates
+    grid = (info["batch_size"], tuple(info["spatial"]))
+    layer = (*grid, *(tuple(info[k]) for k in ("ksize", "padding", "dilation")))
+    if info["subm"] and (same := SUBM_RULEBOOKS.get(args[0], layer)) is not None:
+        return same
     indices = indices.contiguous()
     st = stream_handle(indices)
     dev = indices.device
     header = torch.zeros(4, dtype=torch.int32, device=dev)
     ws = _workspace(int(native.function("sparse_rulebook_workspace_ints")(K, n)), torch.int32, dev)
     table = insert_table(indices, info["batch_size"], info["spatial"], header, st)
-    grid = (info["batch_size"], tuple(info["spatial"]))
     if info["subm"]:
         pairs, num = rulebook_pairs(indices, table, ws, info, 0, n, st)
         if VALID_SITES.holds(args[0], grid):
@@ -209,7 +213,9 @@ def rulebook_native(c, *args):
         CHECKED_PAIRS.put(pairs, num, n, n, False, (None, counts, False))
         out_indices = indices.clone()
         VALID_SITES.add(out_indices, grid)
-        return RuleBook(out_indices, pairs, num)
+        rulebook = RuleBook(out_indices, pairs, num)
+        SUBM_RULEBOOKS.put(args[0], layer, rulebook)
+        return rulebook
     cand = rulebook_candidates(indices, info, st)
     sorted_keys = torch.sort(cand).values  # ascending; LLONG_MAX (no output) last
     uniq = cand  # the candidates are dead once sorted: their buffer takes the unique keys
@@ -274,6 +280,61 @@ class _ValidSites:
 
 
 VALID_SITES = _ValidSites()
+
+
+class _SubMRuleBooks:
+    """The native SubM rule books of live index tensors, by (batch_size, spatial shape,
+    kernel size, padding, dilation): a SubM rule book is a function of its sites and those
+    alone, so a second SubM layer over the same sites (mmdet3d's SparseBasicBlock convs carry no
+    indice_key, and each would build its own: 17 of the CenterPoint encoder's 21 rule books)
+    gets the first one's tensors instead of a rebuild. An entry holds while the index tensor
+    lives and neither it nor the rule book's tensors were modified in place (version counters).
+    Memory: a rule book lives as long as its sites do (autograd keeps both for the backward)."""
+
+    MAX_ENTRIES = 16
+
+    def __init__(self):
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    @staticmethod
+    def _versions(tensors):
+        if any(t.is_inference() for t in tensors):
+            return None
+        return tuple(t._version for t in tensors)
+
+    def put(self, indices, layer, rulebook) -> None:
+        versions = self._versions((indices, *rulebook))
+        if versions is None:
+            return
+        key = (id(indices), layer)
+        cache = weakref.ref(self)
+
+        def forget(dead, key=key):
+            entries = getattr(cache(), "_entries", None)
+            if entries is not None and key in entries and entries[key][0] is dead:
+                del entries[key]
+
+        self._entries[key] = (weakref.ref(indices, forget), versions, rulebook)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.MAX_ENTRIES:
+            self._entries.popitem(last=False)
+
+    def get(self, indices, layer):
+        entry = self._entries.get((id(indices), layer))
+        if entry is None:
+            return None
+        ref, versions, rulebook = entry
+        if ref() is not indices or versions != self._versions((indices, *rulebook)):
+            del self._entries[(id(indices), layer)]
+            return None
+        self._entries.move_to_end((id(indices), layer))
+        return rulebook
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+SUBM_RULEBOOKS = _SubMRuleBooks()
 
 
 # --------------------------------------------------------------------------- pairs

@@ -493,3 +493,41 @@ def test_rule_book_sites_modified_in_place_are_checked_again():
     sites[1] = sites[0]
     with pytest.raises(ValueError, match="duplicate|repeated|twice"):
         _rulebook(sites, batch, "subm k3", "native")
+
+
+def test_subm_rule_book_cache_entry_lives_with_its_sites_and_versions():
+    """_sparse_native.SUBM_RULEBOOKS answers only for the same sites object and layer, while
+    neither the sites nor the rule book's tensors were modified in place."""
+    from mu_space.ops._sparse_native import _SubMRuleBooks
+    from mu_space.ops.sparse_rulebook import RuleBook
+
+    cache = _SubMRuleBooks()
+    idx = torch.zeros(3, 4, dtype=torch.int32)
+    rb = RuleBook(idx.clone(), torch.zeros(27, 2, 3, dtype=torch.int32), torch.zeros(27))
+    layer = (1, (41, 1440, 1440), (3, 3, 3), (1, 1, 1), (1, 1, 1))
+    cache.put(idx, layer, rb)
+    assert cache.get(idx, layer) is rb
+    assert cache.get(idx, (*layer[:4], (2, 2, 2))) is None  # another dilation
+    assert cache.get(idx.clone(), layer) is None
+    rb.indice_pairs[0, 0, 0] = 1  # the rule book edited in place: rebuilt next time
+    assert cache.get(idx, layer) is None
+    cache.put(idx, layer, rb)
+    idx[0, 0] = 1  # the sites edited in place
+    assert cache.get(idx, layer) is None
+
+
+@pytest.mark.gpu
+def test_second_subm_rule_book_over_the_same_sites_is_the_first_one():
+    """Two SubM layers over the same live sites (mmdet3d's SparseBasicBlock convs have no
+    indice_key) share one native rule book; a different dilation builds its own, equal to the
+    reference."""
+    idx, batch = lidar_indices(keep=3000)
+    first = _rulebook(idx, batch, "subm k3", "native")
+    again = _rulebook(idx, batch, "subm k3", "native")
+    assert all(a is b for a, b in zip(first, again))
+    dilated = _rulebook(idx, batch, "subm k3 dilation 2", "native")
+    assert dilated.indice_pairs is not first.indice_pairs
+    for got, layer in ((again, "subm k3"), (dilated, "subm k3 dilation 2")):
+        want = _rulebook(idx, batch, layer, "reference")
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
