@@ -174,10 +174,12 @@ def encoder_cases(smoke: bool, dtype) -> list[Case]:
     nbytes = _nbytes(f, coors) + out_shape.numel() * f.element_size()
     name = "encoder-centerpoint-0075"
 
+    # c.clone(): every timed call sees sites it has not seen (a new frame), so no rule book of
+    # an earlier call is reused (_sparse_native.SUBM_RULEBOOKS / VALID_SITES key on the tensor)
     def forward(net):
         def fn(x, c):
             with torch.no_grad():
-                return (net.eval()(x, c)["spatial_features"],)
+                return (net.eval()(x, c.clone())["spatial_features"],)
 
         return fn
 
@@ -185,7 +187,7 @@ def encoder_cases(smoke: bool, dtype) -> list[Case]:
         def fn(x, c):
             net.train()
             leaf = x.detach().requires_grad_(True)
-            out = net(leaf, c)["spatial_features"]
+            out = net(leaf, c.clone())["spatial_features"]
             wanted = [leaf, *net.parameters()]
             return torch.autograd.grad(out, wanted, w.to(out.dtype))
 
@@ -268,13 +270,13 @@ def layer_cases(kind, cin, cout, idx, shape, batch, dtype, label=None, extra=Non
     else:
         feats = torch.randn(n, cin, generator=g).to(dev, dtype)
 
-        def make_input(f):
-            return ms.SparseConvTensor(f, idx, shape, batch)
+        def make_input(f):  # new sites every call: no rule book reused across calls
+            return ms.SparseConvTensor(f, idx.clone(), shape, batch)
 
         if twin is not None:
 
             def make_twin_input(f):
-                return peer.lib().SparseConvTensor(f, idx, shape, batch)
+                return peer.lib().SparseConvTensor(f, idx.clone(), shape, batch)
 
     with torch.no_grad():
         out_ref = ref(make_input(feats))
@@ -379,7 +381,7 @@ def rulebook_cases(idx, shape, batch) -> list[Case]:
         Case(
             name="rulebook-subm-k3", op="sparse_rulebook", direction="forward",
             dtype=torch.int32, params=params, compulsory_bytes=nbytes,
-            fn=lambda i: sparse_rulebook(i, *args, backend=be), make_args=lambda: idx,
+            fn=lambda i: sparse_rulebook(i.clone(), *args, backend=be), make_args=lambda: idx,
             reference=lambda i: sparse_rulebook(i, *args, backend="reference"),
         )
     ]  # fmt: skip
@@ -393,7 +395,7 @@ def rulebook_cases(idx, shape, batch) -> list[Case]:
                 dtype=torch.int32, params={**params, "implementation": "spconv Native"},
                 compulsory_bytes=nbytes,
                 fn=lambda i: sp_ops.get_indice_pairs(
-                    i, batch, shape, ConvAlgo.Native, [3] * 3, [1] * 3, [1] * 3, [1] * 3,
+                    i.clone(), batch, shape, ConvAlgo.Native, [3] * 3, [1] * 3, [1] * 3, [1] * 3,
                     [0] * 3, True, False,
                 ),
                 make_args=lambda: idx,

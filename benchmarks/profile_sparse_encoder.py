@@ -65,11 +65,11 @@ def profile(steps: int, dtype: torch.dtype, direction: str, smoke: bool) -> dict
     def step():
         if direction == "forward":
             with torch.no_grad():
-                net.eval()(x, coors)
+                net.eval()(x, coors.clone())  # new sites each call: no rule book reused
             return
         net.train()
         leaf = x.detach().requires_grad_(True)
-        out = net(leaf, coors)["spatial_features"]
+        out = net(leaf, coors.clone())["spatial_features"]
         torch.autograd.grad(out, [leaf, *net.parameters()], torch.ones_like(out))
 
     for _ in range(2):  # warm-up: cuBLAS handles, allocator, lazy module state
