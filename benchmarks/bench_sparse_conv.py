@@ -136,6 +136,21 @@ def _no_worse_than_reference(truth_of):
     return check
 
 
+def _noted(check, params: dict):
+    """The peer's check as a note, not a gate: spconv's float32 forward + backward of the
+    encoder missed the float64 bound that ours meets (H200, 2026-12-01), and its time is still
+    the one to compare with; params["check"] says "passed" or why not."""
+
+    def noted(out, ref) -> None:
+        try:
+            check(out, ref)
+            params["check"] = "passed"
+        except AssertionError as exc:
+            params["check"] = f"outside our bound: {exc}"
+
+    return noted
+
+
 def _max_relative(tol: float):
     def check(out, ref) -> None:
         outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -207,12 +222,13 @@ def encoder_cases(smoke: bool, dtype) -> list[Case]:
             )
         )  # fmt: skip
         if twin is not None:
+            twin_params = {**params, "implementation": f"spconv {peer.version()}"}
             cases.append(
                 Case(
                     name=f"{name}-{direction}-{dt}-spconv", op="sparse_conv", direction=direction,
-                    dtype=dtype, params={**params, "implementation": f"spconv {peer.version()}"},
-                    compulsory_bytes=nbytes, fn=make(twin), make_args=lambda: (f, coors),
-                    reference=make(ref), check=check, time_reference=False,
+                    dtype=dtype, params=twin_params, compulsory_bytes=nbytes, fn=make(twin),
+                    make_args=lambda: (f, coors), reference=make(ref),
+                    check=_noted(check, twin_params), time_reference=False,
                 )
             )  # fmt: skip
     return cases
