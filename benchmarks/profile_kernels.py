@@ -62,7 +62,12 @@ def workloads():
         "bev_pool-bevfusion-cam-float32",
         lambda: bev_pool(f["feats"], f["coords"], f["B"], f["D"], f["H"], f["W"], backend="native"),
     )
-    for cfg in ("deformable-detr", "bevformer-base-tsa", "bevformer-base-sca"):
+    for cfg in (
+        "deformable-detr",
+        "bevformer-base-tsa",
+        "bevformer-base-tsa-uniform",
+        "bevformer-base-sca",
+    ):
         m = msda_inputs.args(msda_inputs.make(cfg, device=dev))
         value, shapes, starts, loc, attn = m
         graph = harness.backward_args(

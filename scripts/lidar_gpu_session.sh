@@ -153,6 +153,7 @@ group_files() {  # group_files GROUP: the test files of a sanitizer group
     pillar) echo "${t}pillar_scatter.py" ;;
     # the BEV family's kernels (issue 13), outside the LiDAR suite but on the same sanitizer run
     bev | bev_mem | bev_race) echo "${t}bev_pool_v2.py ${t}bev_pool.py" ;;
+    msda) echo "${t}multi_scale_deformable_attn.py" ;;  # issue 13's MSDA backward modes
     *) echo "unknown sanitizer group $1" >&2; return 1 ;;
   esac
 }
@@ -175,6 +176,8 @@ group_k() {
       "or row_grad or sort_runs or prepared) and not bevfusion" ;;
     bev_race) echo "(lane_layouts or frustum_backward_writes or out_of_range or row_grad" \
       "or sort_runs or prepared) and not bevfusion" ;;
+    # the MSDA native tests without the model-shape cases and the > 2^31-element output
+    msda) echo "not model_shapes and not int64_indexing" ;;
   esac
 }
 
