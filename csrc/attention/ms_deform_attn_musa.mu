@@ -639,7 +639,9 @@ __device__ __forceinline__ void chunk_scatter(const Gather& mine, uint32_t parit
   const int gbase = seg_lane - lane;  // segment lane of this group's lane 0
   // this lane's channel slice in the s_go row of its segment's lane 0
   const float* slice = s_go + (static_cast<int>(threadIdx.x) - seg_lane + lane) * AV;
-#pragma unroll
+  // (rolled loops: unrolled, the 16 (r, j) bodies took ~3x mode 2's code, for the instruction
+  // cache; nothing in them is indexed by r or j)
+#pragma unroll 1
   for (int r = 0; r < 4; ++r) {
     // the corner of `mine` in parity class r, by selects on its bits (a select chain over the
     // corner index becomes an indexed local-memory load in nvcc's output)
@@ -652,7 +654,7 @@ __device__ __forceinline__ void chunk_scatter(const Gather& mine, uint32_t parit
     const bool presents = lane < 4 && valid;
     const unsigned mm = match_lanes<kWarp>(presents ? my_key : kNoKey);
     const unsigned m = presents ? mm & bh_mask : 0u;  // (presenters of nothing lead nothing)
-#pragma unroll
+#pragma unroll 1
     for (int j = 0; j < 4; ++j) {
       const int src = gbase + j;
       const unsigned self = 1u << src;
@@ -782,19 +784,29 @@ __global__ void __launch_bounds__(kBlockMax, 1)
         for (int j = 0; j < AV; ++j) goa[a][j] = go[a][j];
       }
     }
-    // kWarpMerge: publish this lane's grad_out slice (the block walks uniformly, so the barriers
-    // are reached by every thread; the first one keeps the last walk's readers safe) and find
-    // the lanes of this segment whose groups share this group's (batch, head): two groups of
-    // one segment are < kMergeWidth walk groups apart, so the low 32 bits of bh tell them apart.
+    // kWarpMerge: publish this lane's grad_out slice and find the lanes of this segment whose
+    // groups share this group's (batch, head): two groups of one segment are < kMergeWidth walk
+    // groups apart, so the low 32 bits of bh tell them apart. A lane reads only the slices of
+    // its own warp, so warp barriers suffice (the first keeps the last walk's readers safe);
+    // without __syncwarp, block barriers, which every thread reaches (the block walks
+    // uniformly).
     unsigned bh_mask = 0u;
     const int seg_lane = static_cast<int>(threadIdx.x) & (kMergeWidth - 1);
     if constexpr (kWarpMerge) {
+#if MUSPACE_HAS_SYNCWARP
+      __syncwarp(kFullMask);
+#else
       __syncthreads();
+#endif
 #pragma unroll
       for (int a = 0; a < AN; ++a) {
         store_floats<float, AV>(s_go + (a * blockDim.x + threadIdx.x) * AV, goa[a]);
       }
+#if MUSPACE_HAS_SYNCWARP
+      __syncwarp(kFullMask);
+#else
       __syncthreads();
+#endif
       bh_mask = match_lanes<kWarp>(static_cast<uint32_t>(bh));
     }
     // grad_value += a * w_k * grad_out at the valid corners of one sample.
