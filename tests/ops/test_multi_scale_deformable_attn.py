@@ -630,7 +630,11 @@ def _place(loc: torch.Tensor, layout: str) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [2, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim,cpt", [(32, 0), (32, 4), (32, 2), (8, 0), (67, 0), (3, 0)])
+# (24: groups of 4 lanes whose last lane has no channels; 128: 16 lanes, 2 groups per warp)
+@pytest.mark.parametrize(
+    "head_dim,cpt",
+    [(32, 0), (32, 4), (32, 2), (24, 0), (128, 0), (8, 0), (67, 0), (3, 0)],
+)
 @pytest.mark.parametrize(
     "n_levels,points,layout",
     [
