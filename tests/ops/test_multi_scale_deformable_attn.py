@@ -571,8 +571,11 @@ def test_native_backward_matches_reference_on_model_shapes(dtype, name):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("cpt", [2, 4, 8])
 @pytest.mark.parametrize("block", [64, 128, 512])
-def test_launch_policy_knobs_give_the_same_result(dtype, cpt, block):
-    """Every (vector width, vectors per lane) instantiation and block size the knobs reach."""
+@pytest.mark.parametrize("mode", [0, 3])
+def test_launch_policy_knobs_give_the_same_result(dtype, cpt, block, mode):
+    """Every (vector width, vectors per lane) instantiation and block size the knobs reach, with
+    the atomic backward per corner (mode 0) and merged across the warp (mode 3: its shared
+    grad_out slices are laid out by block size and channels per lane)."""
     device = native_gpu_device()
     args, grad = _grad_case(dtype, 32 if cpt != 2 else 6, 2, 4, seed=41, queries=70, heads=3)
     value, shapes, starts, loc, attn = args
@@ -595,7 +598,7 @@ def test_launch_policy_knobs_give_the_same_result(dtype, cpt, block):
         ga,
         workspace,
         torch.empty(0, dtype=torch.int32, device=device),
-        0,
+        mode,
         cpt,
         block,
         _stream(device),
