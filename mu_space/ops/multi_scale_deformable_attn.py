@@ -21,7 +21,7 @@ not fit inside `value` contributes zero). The reference path reads the metadata 
 Under CUDA graph capture the GPU check is skipped.
 
 Profiling knobs (environment, read at import): `MUSPACE_MSDA_CHANNELS_PER_THREAD` (0 = default,
-2, 4 or 8), `MUSPACE_MSDA_BLOCK_THREADS` (0 = default 256; a multiple of the warp size <= 512) and
+2, 4 or 8), `MUSPACE_MSDA_BLOCK_THREADS` (0 = default 256; a multiple of the warp size <= 512),
 `MUSPACE_MSDA_MERGE_ATOMICS` (default 1: the atomic backward merges the corners a sample shares
 with the previous sample of its group before issuing their atomics; 0: one atomic per corner) and
 `MUSPACE_MSDA_BWD_MERGE` (default 0; 1: merge the atomics of each 4-sample chunk across the
