@@ -25,7 +25,11 @@
 // grad_value is scattered with float atomics (vector atomics where the toolchain has them) into
 // a float32 buffer, each RED of a group covering whole 32-byte sectors; in mode 2 (the Python
 // default) a corner that a sample shares with the previous sample of its group is merged into
-// one atomic first (the L2's atomic throughput bounds this kernel). In the deterministic mode
+// one atomic first (the L2's atomic throughput bounds this kernel); modes 3 / 4 instead merge
+// across the samples and groups of a warp, whose groups then serve consecutive queries of one
+// (batch, head): the contributions of a 4-sample chunk that hit one pixel are summed (pixel keys
+// matched across the warp, the other groups' grad_out read from shared memory) into one atomic.
+// In the deterministic mode
 // grad_value never sees float atomics: this kernel writes
 // one integer "cell" key per sample, the caller sorts the keys (stable), and a gather kernel
 // sums, for every value row, the contributions of the samples in its four neighbouring cells in
@@ -224,6 +228,17 @@ __device__ __forceinline__ Gather gather_setup(float x, float y, float a, const 
       static_cast<uint32_t>(lv.start) + static_cast<uint32_t>(y0) * w + static_cast<uint32_t>(x0);
   s.w = w;
   return s;
+}
+
+// (y0 & 1) * 2 + (x0 & 1) of gather_setup's cell (same arithmetic; anything for a sample outside):
+// corner c of the sample lies on a pixel of parity class (py & 1) * 2 + (px & 1) = parity ^ c.
+__device__ __forceinline__ uint32_t cell_parity(float x, float y, const Level& lv) {
+  const float yi = __fmaf_rn(y, lv.hf, -0.5f);
+  const float xi = __fmaf_rn(x, lv.wf, -0.5f);
+  const bool inside = yi > -1.0f && xi > -1.0f && yi < lv.hf && xi < lv.wf;
+  const int y0 = static_cast<int>(floorf(inside ? yi : -2.0f));
+  const int x0 = static_cast<int>(floorf(inside ? xi : -2.0f));
+  return ((static_cast<uint32_t>(y0) & 1u) << 1) | (static_cast<uint32_t>(x0) & 1u);
 }
 
 // Byte offset of corner c of a sample from its (batch, head) row 0, for rows `row_bytes` apart.
@@ -543,10 +558,149 @@ __device__ __forceinline__ void put_int(int (&a)[kChunk], int i, int v) {
   for (int k = 0; k < kChunk; ++k) a[k] = i == k ? v : a[k];
 }
 
+// ------------------------------------------------ backward: merging atomics across groups
+
+// Modes 3 / 4 (kWarp = 1 / 2 in backward_kernel): the groups of a warp serve consecutive queries
+// of one (batch, head), so their grad_value atomics go to one channel slice of neighbouring
+// pixels; before issuing them, the warp finds the contributions of one chunk (four samples per
+// group, four corners each) that hit the same pixel and sums them, so one RED per distinct
+// (pixel, channel vector) is issued (chunk_scatter). The matching works in segments of
+// kMergeWidth lanes (the whole warp on NVIDIA; 32-lane pieces of MUSA's 128-lane warps, where a
+// 32-bit lane mask cannot name every lane).
+constexpr int kMergeWidth = kWarpSize < 32 ? kWarpSize : 32;
+constexpr uint32_t kNoKey = ~0u;  // a corner that adds nothing (pixel keys are < K < 2^31)
+
+// Mask (bit i = segment lane i) of the lanes of this lane's segment that pass the same key.
+// kHow = 1: the hardware match where the device pass has it; kHow = 2 (and every pass without
+// it, MUSA included): kMergeWidth shuffles and compares.
+template <int kHow>
+__device__ __forceinline__ unsigned match_lanes(uint32_t key) {
+#if MUSPACE_HAS_WARP_MATCH
+  if constexpr (kHow == 1) {
+    return __match_any_sync(kFullMask, key);  // kMergeWidth == kWarpSize on CUDA
+  }
+#endif
+  unsigned m = 0u;
+#pragma unroll
+  for (int k = 0; k < kMergeWidth; ++k) {
+    const uint32_t other = __shfl_sync(kFullMask, key, k, kMergeWidth);
+    m |= other == key ? 1u << k : 0u;
+  }
+  return m;
+}
+
+// Maximum of v over the whole warp (a warp-uniform loop count).
+__device__ __forceinline__ int warp_max(int v) {
+#if MUSPACE_HAS_WARP_REDUCE
+  return __reduce_max_sync(kFullMask, v);
+#else
+#pragma unroll
+  for (int o = kWarpSize / 2; o >= 1; o >>= 1) {
+    const int other = __shfl_xor_sync(kFullMask, v, o);
+    v = other > v ? other : v;
+  }
+  return v;
+#endif
+}
+
+// As group_lane, but consecutive groups of the walk are consecutive queries of one (batch,
+// head): walk group v = (b * heads + h) * Q + q serves g = (b * Q + q) * heads + h. bh = b *
+// heads + h.
+__device__ __forceinline__ GroupLane group_lane_by_head(int64_t t, int64_t total, int G,
+                                                        const Dims& d, int64_t& bh) {
+  GroupLane r;
+  r.active = t < total;
+  const int64_t v = r.active ? t >> d.log2g : 0;
+  r.lane = static_cast<int>(t & (G - 1));
+  bh = v / d.Q;
+  const int64_t q = v - bh * d.Q;
+  r.b = bh / d.heads;
+  r.h = static_cast<int>(bh - r.b * d.heads);
+  r.g = (r.b * d.Q + q) * d.heads + r.h;
+  r.value_offset = (r.b * d.K * d.heads + r.h) * d.D;
+  return r;
+}
+
+// The grad_value atomics of one chunk in modes 3 / 4: one atomic per distinct pixel that the
+// chunk's samples of a warp segment's groups (same (batch, head), bh_mask) touch. Lane j < 4 of
+// each group presents sample j of the chunk (`mine`); a 2 x 2 footprint covers one pixel of
+// each parity class (y & 1, x & 1), so four matches, one per class r, each presenting the
+// corner `parity ^ r` (cell_parity), find every pair of contributions that hit one pixel, also at
+// different corners, samples and groups. The lowest presenter of a pixel leads: its group
+// adds the members' weights times their groups' grad_out slices (s_go, see backward_kernel)
+// to its own contribution and issues one atomic per channel vector. Called by every lane of
+// the warp (shuffles inside).
+template <int kWarp, int AN, int AV>
+__device__ __forceinline__ void chunk_scatter(const Gather& mine, uint32_t parity, int lane,
+                                              int seg_lane, unsigned bh_mask,
+                                              const float (&goa)[AN][AV], const float* s_go,
+                                              float* arow, uint32_t row_bytes_acc,
+                                              const int (&ach)[AN], const bool (&achok)[AN]) {
+  const int gbase = seg_lane - lane;  // segment lane of this group's lane 0
+  // this lane's channel slice in the s_go row of its segment's lane 0
+  const float* slice = s_go + (static_cast<int>(threadIdx.x) - seg_lane + lane) * AV;
+  // (rolled loops: unrolled, the 16 (r, j) bodies took ~3x mode 2's code, for the instruction
+  // cache; nothing in them is indexed by r or j)
+#pragma unroll 1
+  for (int r = 0; r < 4; ++r) {
+    // the corner of `mine` in parity class r, by selects on its bits (a select chain over the
+    // corner index becomes an indexed local-memory load in nvcc's output)
+    const uint32_t c = parity ^ static_cast<uint32_t>(r);
+    const bool b0 = (c & 1u) != 0u, b1 = (c & 2u) != 0u;
+    const bool valid =
+        b1 ? (b0 ? mine.valid[3] : mine.valid[2]) : (b0 ? mine.valid[1] : mine.valid[0]);
+    const float my_w = b1 ? (b0 ? mine.cw[3] : mine.cw[2]) : (b0 ? mine.cw[1] : mine.cw[0]);
+    const uint32_t my_key = mine.key0 + (b0 ? 1u : 0u) + (b1 ? mine.w : 0u);
+    const bool presents = lane < 4 && valid;
+    const unsigned mm = match_lanes<kWarp>(presents ? my_key : kNoKey);
+    const unsigned m = presents ? mm & bh_mask : 0u;  // (presenters of nothing lead nothing)
+#pragma unroll 1
+    for (int j = 0; j < 4; ++j) {
+      const int src = gbase + j;
+      const unsigned self = 1u << src;
+      const unsigned mc = __shfl_sync(kFullMask, m, src, kMergeWidth);
+      const uint32_t key = __shfl_sync(kFullMask, my_key, src, kMergeWidth);
+      const float wj = __shfl_sync(kFullMask, my_w, src, kMergeWidth);
+      const bool lead = (mc & self) != 0u && (mc & (self - 1u)) == 0u;
+      unsigned rest = lead ? mc & ~self : 0u;
+      float acc[AN][AV];
+#pragma unroll
+      for (int a = 0; a < AN; ++a)
+#pragma unroll
+        for (int e = 0; e < AV; ++e) acc[a][e] = wj * goa[a][e];
+      const int iters = warp_max(__popc(rest));
+      for (int i = 0; i < iters; ++i) {
+        const int u = rest != 0u ? __ffs(static_cast<int>(rest)) - 1 : 0;
+        const float wu = __shfl_sync(kFullMask, my_w, u, kMergeWidth);
+        if (rest != 0u) {
+          const float* other = slice + (u - (u & 3)) * AV;  // u's group lane 0 is u - (u & 3)
+#pragma unroll
+          for (int a = 0; a < AN; ++a) {
+            float gv[AV];
+            load_floats<float, AV>(other + a * blockDim.x * AV, gv);
+#pragma unroll
+            for (int e = 0; e < AV; ++e) acc[a][e] = __fmaf_rn(wu, gv[e], acc[a][e]);
+          }
+          rest &= rest - 1u;
+        }
+      }
+      if (lead) {
+        const uint64_t ofs = static_cast<uint64_t>(key) * row_bytes_acc;
+#pragma unroll
+        for (int a = 0; a < AN; ++a) {
+          if (achok[a]) atomic_add_scaled<AV>(byte_offset(arow, ofs) + ach[a], 1.0f, acc[a]);
+        }
+      }
+    }
+  }
+}
+
 // grad_value is accumulated in `gacc` (float32, zero-filled by the entry) unless keys != null
 // (deterministic mode): then each sample's cell key is written instead (sentinel for samples
-// that contribute nothing) and grad_value is left to the gather kernel.
-template <typename T, int VEC, int NV, bool kMerge>
+// that contribute nothing) and grad_value is left to the gather kernel. kWarp != 0 (not with
+// kMerge; groups of 4 <= G < kMergeWidth lanes; atomic mode only): the atomics of each chunk are
+// merged across the samples and groups of a warp segment (modes 3 / 4, chunk_scatter).
+template <typename T, int VEC, int NV, bool kMerge, int kWarp>
 __global__ void __launch_bounds__(kBlockMax, 1)
     backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ value, const void* shapes,
                     bool shapes_i64, const void* starts, bool starts_i64, const T* __restrict__ loc,
@@ -554,7 +708,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
                     T* __restrict__ grad_attn, void* keys, bool keys_i64, int64_t key_space, Dims d,
                     bool vec_meta) {
   constexpr int SB = backward_samples_in_flight<T, VEC, NV>();
-  constexpr bool kPrefetch = prefetch_meta<T, VEC, NV>() && !kMerge;  // registers
+  constexpr bool kPrefetch = prefetch_meta<T, VEC, NV>() && !kMerge && kWarp == 0;  // registers
   static_assert(kChunk % SB == 0, "samples in flight must divide the chunk");
   // grad_value atomics are float vectors of AV <= 4 channels. Where a lane's load vector holds
   // more than 4 channels (8 channels of a 16-bit type), the atomics use their own interleaved
@@ -564,7 +718,14 @@ __global__ void __launch_bounds__(kBlockMax, 1)
   constexpr int AV = VEC > 4 ? 4 : VEC;
   constexpr int AN = VEC * NV / AV;
   constexpr bool kSplit = AV != VEC;
+  constexpr bool kWarpMerge = kWarp != 0;
+  static_assert(!(kWarpMerge && kMerge), "the warp merge replaces the pairwise merge");
   __shared__ Level levels[kMaxLevels];
+  // kWarpMerge: every lane's grad_out slice in the atomic layout, float a * AV + e of thread t at
+  // [(a * blockDim.x + t) * AV + e], so that a lane can weight another group's slice (dynamic
+  // shared memory, blockDim.x * AN * AV floats; none in the other modes).
+  extern __shared__ float4 s_dynamic[];
+  float* s_go = reinterpret_cast<float*>(s_dynamic);
   load_levels(levels, shapes, shapes_i64, starts, starts_i64, d.L, d.K);
   const int G = 1 << d.log2g;
   const int64_t total = d.groups << d.log2g;
@@ -579,7 +740,9 @@ __global__ void __launch_bounds__(kBlockMax, 1)
   // shuffle; lanes past the end work on zeros and write nothing.
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < total;
        base += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const GroupLane gl = group_lane(base + threadIdx.x, total, G, d);
+    int64_t bh = 0;
+    const GroupLane gl = kWarpMerge ? group_lane_by_head(base + threadIdx.x, total, G, d, bh)
+                                    : group_lane(base + threadIdx.x, total, G, d);
     const bool active = gl.active;
     const int64_t g = gl.g;
     const int lane = gl.lane;
@@ -620,6 +783,31 @@ __global__ void __launch_bounds__(kBlockMax, 1)
 #pragma unroll
         for (int j = 0; j < AV; ++j) goa[a][j] = go[a][j];
       }
+    }
+    // kWarpMerge: publish this lane's grad_out slice and find the lanes of this segment whose
+    // groups share this group's (batch, head): two groups of one segment are < kMergeWidth walk
+    // groups apart, so the low 32 bits of bh tell them apart. A lane reads only the slices of
+    // its own warp, so warp barriers suffice (the first keeps the last walk's readers safe);
+    // without __syncwarp, block barriers, which every thread reaches (the block walks
+    // uniformly).
+    unsigned bh_mask = 0u;
+    const int seg_lane = static_cast<int>(threadIdx.x) & (kMergeWidth - 1);
+    if constexpr (kWarpMerge) {
+#if MUSPACE_HAS_SYNCWARP
+      __syncwarp(kFullMask);
+#else
+      __syncthreads();
+#endif
+#pragma unroll
+      for (int a = 0; a < AN; ++a) {
+        store_floats<float, AV>(s_go + (a * blockDim.x + threadIdx.x) * AV, goa[a]);
+      }
+#if MUSPACE_HAS_SYNCWARP
+      __syncwarp(kFullMask);
+#else
+      __syncthreads();
+#endif
+      bh_mask = match_lanes<kWarp>(static_cast<uint32_t>(bh));
     }
     // grad_value += a * w_k * grad_out at the valid corners of one sample.
     auto scatter = [&](const Gather& s) {
@@ -704,7 +892,7 @@ __global__ void __launch_bounds__(kBlockMax, 1)
               for (int c = 0; c < 4; ++c) pend.valid[c] = pend.valid[c] && !used[c];
               scatter(pend);
               pend = cur;
-            } else {
+            } else if constexpr (!kWarpMerge) {  // (kWarpMerge: after the chunk's batches)
               scatter(s);
             }
           }
@@ -736,6 +924,17 @@ __global__ void __launch_bounds__(kBlockMax, 1)
       } else {
 #pragma unroll 1
         for (int i0 = 0; i0 < kChunk; i0 += SB) batch(i0);
+      }
+      if constexpr (kWarpMerge) {
+        if (!deterministic) {
+          // sample lane & 3 of the chunk, set up again (the batches keep no setups)
+          const int mj = lane & 3;
+          const float mx = pick(x, mj), my = pick(y, mj);
+          const Level lv = levels[pick_int(lvl, mj)];
+          chunk_scatter<kWarp, AN, AV>(gather_setup(mx, my, pick(w, mj), lv),
+                                       cell_parity(mx, my, lv), lane, seg_lane, bh_mask, goa, s_go,
+                                       arow, row_bytes_acc, ach, achok);
+        }
       }
       const int first = reduce_dots(dots, G, lane);
       if (active && (lane & dup_mask) == 0) {
@@ -1095,9 +1294,13 @@ struct BackwardLaunch {
   bool keys_i64;
   int64_t key_space;
   bool vec_meta, merge;
-  template <typename T, int VEC, int NV, bool kMerge>
+  int warp;  // 0, or 1 / 2: merge across the groups of a warp (modes 3 / 4) where G allows
+  template <typename T, int VEC, int NV, bool kMerge, int kWarp>
   void launch() {
-    backward_kernel<T, VEC, NV, kMerge><<<c.grid, c.block, 0, c.stream>>>(
+    // kWarp: one grad_out slice (VEC * NV floats) per thread in dynamic shared memory, <= 16 KB
+    static_assert(sizeof(float) * kBlockMax * VEC * NV <= 16384, "shared grad_out slices");
+    const size_t smem = kWarp != 0 ? sizeof(float) * c.block * VEC * NV : 0;
+    backward_kernel<T, VEC, NV, kMerge, kWarp><<<c.grid, c.block, smem, c.stream>>>(
         static_cast<const T*>(grad_output), static_cast<const T*>(value), c.shapes, c.shapes_i64,
         c.starts, c.starts_i64, static_cast<const T*>(c.loc), static_cast<const T*>(c.attn), gacc,
         static_cast<T*>(grad_loc), static_cast<T*>(grad_attn), keys, keys_i64, key_space, c.d,
@@ -1107,9 +1310,14 @@ struct BackwardLaunch {
   template <typename T, int VEC, int NV>
   void run() {
     if constexpr (VEC > 1) {  // the generic path has no merging variant
-      if (merge) return launch<T, VEC, NV, true>();
+      // Across groups: one presenting lane per corner (G >= 4) and >= 2 groups per segment.
+      const int G = 1 << c.d.log2g;
+      if (warp != 0 && G >= 4 && G < kMergeWidth) {
+        return warp == 1 ? launch<T, VEC, NV, false, 1>() : launch<T, VEC, NV, false, 2>();
+      }
+      if (merge) return launch<T, VEC, NV, true, 0>();
     }
-    launch<T, VEC, NV, false>();
+    launch<T, VEC, NV, false, 0>();
   }
 };
 
@@ -1170,6 +1378,11 @@ void multi_scale_deformable_attn_forward(TensorView value, TensorView spatial_sh
 //   in `workspace` (float32, value.numel() elements) followed by one cast pass.
 // - mode 2: the same, but a corner that a sample shares with the previous sample of its group
 //   (same pixel) is added once, with both weights (fewer atomics, same result up to rounding).
+// - mode 3: instead of mode 2's merge, the atomics of each 4-sample chunk are merged across the
+//   samples and the groups of a warp, which then serve consecutive queries of one (batch, head):
+//   one atomic per distinct pixel of a chunk (groups of 4 <= G < 32 lanes; other head dims run
+//   mode 2). Mode 4: the same with the shuffle-compare key match of builds without a hardware
+//   match (MUSA) forced, to test that path on CUDA.
 // - mode 1 (deterministic): no float atomics; `keys` (int32 or int64, one per sample) receives
 //   each sample's cell key and grad_value is NOT written here: the caller sorts the keys
 //   (stable) and calls multi_scale_deformable_attn_backward_value_deterministic.
@@ -1194,9 +1407,10 @@ void multi_scale_deformable_attn_backward(
   const int block = block_threads(block_threads_req);
   check_channels_per_thread(channels_per_thread);
   const int size = element_bytes(value);
-  if (mode < 0 || mode > 2) {
-    TVM_FFI_THROW(ValueError) << "mode must be 0 (atomics), 1 (deterministic) or 2 (atomics, "
-                                 "merged corners), got "
+  if (mode < 0 || mode > 4) {
+    TVM_FFI_THROW(ValueError) << "mode must be 0 (atomics), 1 (deterministic), 2 (atomics, "
+                                 "merged corners), 3 or 4 (atomics, merged corners and merged "
+                                 "across the groups of a warp), got "
                               << mode;
   }
   const bool det = mode == 1;
@@ -1253,7 +1467,8 @@ void multi_scale_deformable_attn_backward(
         det && is_int64(keys),
         key_space,
         meta_vectorizable(d, sampling_locations, attention_weights),
-        mode == 2};
+        mode >= 2,
+        mode >= 3 ? static_cast<int>(mode) - 2 : 0};
     dispatch(value, cfg, launch);
   }
   if (use_workspace && n_value > 0) {

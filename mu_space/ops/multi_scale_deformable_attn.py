@@ -21,9 +21,12 @@ not fit inside `value` contributes zero). The reference path reads the metadata 
 Under CUDA graph capture the GPU check is skipped.
 
 Profiling knobs (environment, read at import): `MUSPACE_MSDA_CHANNELS_PER_THREAD` (0 = default,
-2, 4 or 8), `MUSPACE_MSDA_BLOCK_THREADS` (0 = default 256; a multiple of the warp size <= 512) and
+2, 4 or 8), `MUSPACE_MSDA_BLOCK_THREADS` (0 = default 256; a multiple of the warp size <= 512),
 `MUSPACE_MSDA_MERGE_ATOMICS` (default 1: the atomic backward merges the corners a sample shares
-with the previous sample of its group before issuing their atomics; 0: one atomic per corner).
+with the previous sample of its group before issuing their atomics; 0: one atomic per corner) and
+`MUSPACE_MSDA_BWD_MERGE` (default 0; 1: merge the atomics of each 4-sample chunk across the
+samples and the groups of a warp, one atomic per distinct pixel, instead; 2: the same with the
+shuffle-compare key match of builds without a hardware match, as on MUSA).
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ _BLOCK_THREADS = int(os.environ.get("MUSPACE_MSDA_BLOCK_THREADS", "0") or 0)
 # native backward mode without deterministic algorithms: 2 (default) = a corner shared with the
 # previous sample of the group is merged into one atomic; 0 = one atomic per sample and corner
 _ATOMIC_MODE = 0 if (os.environ.get("MUSPACE_MSDA_MERGE_ATOMICS", "1") or "1") == "0" else 2
+# MUSPACE_MSDA_BWD_MERGE (A/B knob, takes precedence over the one above): 1 = mode 3, the atomics
+# of each 4-sample chunk are merged across the samples and the groups of a warp (which then serve
+# consecutive queries of one (batch, head)); 2 = mode 4, the same with the shuffle-compare key
+# match that MUSA builds (tests that path on CUDA); 0 (default) = the mode above
+_BWD_MERGE = (os.environ.get("MUSPACE_MSDA_BWD_MERGE", "0") or "0").strip()
+if _BWD_MERGE not in ("0", "1", "2"):
+    raise ValueError(f"MUSPACE_MSDA_BWD_MERGE must be 0, 1 or 2, got {_BWD_MERGE!r}")
+if _BWD_MERGE != "0":
+    _ATOMIC_MODE = 2 + int(_BWD_MERGE)
 
 _NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
