@@ -153,7 +153,7 @@ group_files() {  # group_files GROUP: the test files of a sanitizer group
     pillar) echo "${t}pillar_scatter.py" ;;
     # the BEV family's kernels (issue 13), outside the LiDAR suite but on the same sanitizer run
     bev | bev_mem | bev_race) echo "${t}bev_pool_v2.py ${t}bev_pool.py" ;;
-    msda) echo "${t}multi_scale_deformable_attn.py" ;;  # issue 13's MSDA backward modes
+    msda_mem | msda_race) echo "${t}multi_scale_deformable_attn.py" ;;  # MSDA backward modes
     *) echo "unknown sanitizer group $1" >&2; return 1 ;;
   esac
 }
@@ -176,8 +176,17 @@ group_k() {
       "or row_grad or sort_runs or prepared) and not bevfusion" ;;
     bev_race) echo "(lane_layouts or frustum_backward_writes or out_of_range or row_grad" \
       "or sort_runs or prepared) and not bevfusion" ;;
-    # the MSDA native tests without the model-shape cases and the > 2^31-element output
-    msda) echo "not model_shapes and not int64_indexing" ;;
+  esac
+}
+
+# a group's whole -k, for test files whose GPU tests are not all named "native": the MSDA
+# backward modes 3 / 4 (issue 13) on the bad-metadata cases and the merged-atomic layouts with
+# the most sharing (memcheck), and the warp-merge cases of head dim 32 (racecheck)
+group_full_k() {
+  case $1 in
+    msda_mem) echo "bad_level or (merged and (half-outside or same-query) and (32-0 or 24-0" \
+      "or 128-0))" ;;
+    msda_race) echo "merged and 32-0 and (float32-3 or float16-3 or float32-4)" ;;
   esac
 }
 
@@ -186,6 +195,7 @@ sanitize_one() {  # sanitize_one TOOL FAMILY TESTS...: one compute-sanitizer pro
   local tool=$1 family=$2 bin extra=() k="native and not int32"
   shift 2
   [ -n "$(group_k "$family")" ] && k="$k and ($(group_k "$family"))"
+  [ -n "$(group_full_k "$family")" ] && k=$(group_full_k "$family")
   bin=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
   [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
   MUSPACE_TEST_LOG="$OUT/sanitize_${tool}_${family}_tests.txt" \
