@@ -114,6 +114,10 @@ def roiaware_workloads():
             lambda m=mode, f=feats: roiaware_pool3d(rois, pts, f, 14, 128, m, backend="native"),
         )
         leaf = feats.detach().requires_grad_(True)
+        yield (  # a training step's forward: max mode saves its winners for the backward
+            f"roiaware-fwd-{mode}-grad",
+            lambda m=mode, f=leaf: roiaware_pool3d(rois, pts, f, 14, 128, m, backend="native"),
+        )
         out = roiaware_pool3d(rois, pts, leaf, 14, 128, mode, backend="native")
         graph = (out, (leaf,), torch.randn_like(out))
         yield f"roiaware-bwd-{mode}", lambda g=graph: harness.autograd_backward(*g)

@@ -113,7 +113,15 @@ def cases(lib) -> dict:
     out["roiaware_pool3d_backward"] = nm._battery(
         lib,
         "roiaware_pool3d_backward",
-        [np.zeros((cells, C), f32), feat, *slices, np.zeros((6, C), f32), 0, 0],
+        [
+            np.zeros((cells, C), f32),
+            feat,
+            *slices,
+            np.zeros((cells, C), i32),
+            np.zeros((6, C), f32),
+            0,
+            0,
+        ],
     )
     return out
 

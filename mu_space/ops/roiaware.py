@@ -16,7 +16,9 @@ Composite of two internal ops (custom ops in a torch.compile graph):
 
 from __future__ import annotations
 
+import collections
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -308,21 +310,75 @@ def pool_backward_reference(
     return (grad.view(P, C).to(pts_feature.dtype),)
 
 
+class _SavedArgmax:
+    """The max-mode winners (int32 [cells, C]) each native pool call wrote for a pts_feature that
+    needs a gradient, by the identity and version of (pts_feature, cell_start, cell_count,
+    point_list): the backward loads them instead of walking every cell's slice again (the walk
+    was 41.9 us of the max backward's 48 us on the H200, 2026-12-01; mmcv saves its argmax
+    likewise). An entry dies with its slice tensors (which autograd holds until the backward
+    has run) and at most MAX_ENTRIES are kept; a miss only means the walk."""
+
+    MAX_ENTRIES = 8
+
+    def __init__(self):
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+
+    @staticmethod
+    def _state(tensors):
+        if any(t.is_inference() for t in tensors):
+            return None
+        return tuple((id(t), t._version) for t in tensors)
+
+    def put(self, tensors, argmax) -> None:
+        state = self._state(tensors)
+        if state is None:
+            return
+        key = tuple(k for k, _ in state)
+        cache = weakref.ref(self)
+
+        def forget(dead, key=key):
+            entries = getattr(cache(), "_entries", None)
+            if entries is not None and key in entries and entries[key][0] is dead:
+                del entries[key]
+
+        self._entries[key] = (weakref.ref(tensors[1], forget), state, argmax)
+        while len(self._entries) > self.MAX_ENTRIES:
+            self._entries.popitem(last=False)
+
+    def get(self, tensors):
+        state = self._state(tensors)
+        entry = None if state is None else self._entries.get(tuple(k for k, _ in state))
+        if entry is None or entry[0]() is not tensors[1] or entry[1] != state:
+            return None
+        return entry[2]
+
+
+SAVED_ARGMAX = _SavedArgmax()
+
+
 def _pool_native(c, pts_feature, cell_start, cell_count, point_list, out_size, mode):
     dims, m = c.info
+    inputs = (pts_feature, cell_start, cell_count, point_list)
     pts_feature = pts_feature.contiguous()
     n_cells, C = cell_start.shape[0], pts_feature.shape[1]
     pooled = _opdef.new_output(pts_feature, (n_cells // math.prod(dims), *dims, C))
+    # the winners for the backward, where one will run (the deterministic backward is the
+    # reference's and finds its own)
+    argmax = None
+    if m == 0 and inputs[0].requires_grad and not torch.are_deterministic_algorithms_enabled():
+        argmax = _opdef.new_output(pts_feature, (n_cells, C), torch.int32)  # written in full
     native.function("roiaware_pool3d_pool")(
         pts_feature,
         cell_start.contiguous(),
         cell_count.contiguous(),
         point_list.contiguous(),
         pooled,
-        None,
+        argmax,
         m,
         stream_handle(pts_feature),
     )
+    if argmax is not None:
+        SAVED_ARGMAX.put(inputs, argmax)
     return pooled
 
 
@@ -346,6 +402,7 @@ def _pool_backward_native(
             grad_out, pts_feature, cell_start, cell_count, point_list, out_size, mode
         )
     dims, m = c.info
+    argmax = SAVED_ARGMAX.get((pts_feature, cell_start, cell_count, point_list)) if m == 0 else None
     pts_feature = pts_feature.contiguous()
     grad_in = torch.zeros(pts_feature.shape, dtype=torch.float32, device=pts_feature.device)
     native.function("roiaware_pool3d_backward")(
@@ -354,6 +411,7 @@ def _pool_backward_native(
         cell_start.contiguous(),
         cell_count.contiguous(),
         point_list.contiguous(),
+        argmax,
         grad_in,
         m,
         stream_handle(pts_feature),

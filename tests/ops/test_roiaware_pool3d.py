@@ -278,3 +278,54 @@ def test_native_backward_channel_groups(channels, dtype):
         assert torch.equal(out.cpu(), want)
         tol = 1e-5 if dtype == torch.float32 else 4e-3  # float32 atomics, then the dtype
         assert_close(got.cpu().float(), want_g.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("channels", [4, 16, 5])
+def test_native_max_backward_with_and_without_the_saved_argmax(channels):
+    """The max forward of a pts_feature that needs a gradient saves its winners (SAVED_ARGMAX),
+    and the backward loads them; without the entry (cleared) the backward walks the slices as
+    before. Both equal the reference's gradient (the same adds, in an atomic order)."""
+    from mu_space.ops import roiaware as ra
+
+    device = native_gpu_device()
+    rois, pts = _roi_inputs(30000, 24, seed=7)
+    feats = torch.randn(30000, channels)
+    rois, pts = rois.to(device), pts.to(device)
+    grad = torch.randn(24, 5, 4, 3, channels, generator=torch.Generator().manual_seed(8))
+    want, host = _reference(rois, pts, feats.clone().requires_grad_(True), (5, 4, 3), 64, "max")
+    (want_g,) = torch.autograd.grad(want, host, grad)
+    got = []
+    for saved in (True, False):
+        f = feats.to(device).requires_grad_(True)
+        out = roiaware_pool3d(rois, pts, f, (5, 4, 3), 64, "max", backend="native")
+        assert len(ra.SAVED_ARGMAX._entries) > 0
+        if not saved:
+            ra.SAVED_ARGMAX._entries.clear()
+        (g,) = torch.autograd.grad(out, f, grad.to(device))
+        got.append(g.cpu())
+    for g in got:
+        assert_close(g, want_g, atol=1e-5, rtol=1e-5)  # float32 atomics
+
+
+def test_saved_argmax_entry_lives_with_its_inputs_and_versions():
+    """SAVED_ARGMAX answers only for the same four tensor objects, unmodified (versions), and
+    drops an entry when its slice tensors are freed."""
+    import gc
+
+    from mu_space.ops.roiaware import _SavedArgmax
+
+    saved = _SavedArgmax()
+    inputs = [torch.zeros(3, 2), torch.zeros(4, dtype=torch.long), torch.zeros(4), torch.zeros(5)]
+    argmax = torch.zeros(4, 2, dtype=torch.int32)
+    saved.put(tuple(inputs), argmax)
+    assert saved.get(tuple(inputs)) is argmax
+    assert saved.get((inputs[0].clone(), *inputs[1:])) is None
+    inputs[0].add_(1)  # in place: stale
+    assert saved.get(tuple(inputs)) is None
+    saved.put(tuple(inputs), argmax)
+    inputs[1] = None  # the slice tensor freed: the entry goes with it
+    gc.collect()
+    assert len(saved._entries) == 0
+    for _ in range(saved.MAX_ENTRIES + 3):
+        saved.put((torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1)), argmax)
+    assert len(saved._entries) <= saved.MAX_ENTRIES
