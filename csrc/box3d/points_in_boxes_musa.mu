@@ -214,6 +214,7 @@ __global__ void __launch_bounds__(kThreads)
     all_flat_kernel(const T* __restrict__ points, const T* __restrict__ boxes,
                     int* __restrict__ out, int batches, int n_points, int n_boxes, int misalign) {
   static_assert(kThreads % kAllPoints == 0, "a thread keeps one point across its box words");
+  static_assert(kThreads % 8 == 0, "a thread's store nibble is the same in every iteration");
   __shared__ PointBox s_box[kFlatBoxes];
   __shared__ unsigned int s_near[kFlatBoxes / 32];  // boxes the block's bounds may hit
   __shared__ FlatScratch s_scr;  // the bounds' reduction, then the block's values as bits
