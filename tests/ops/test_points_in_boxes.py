@@ -258,3 +258,82 @@ def test_native_all_every_box_count(n_boxes):
     assert torch.equal(got, want)
     if n_boxes >= 64:
         assert want.sum() > 0
+
+
+def _flat_inputs(n_points, n_boxes, batch, seed, dense):
+    """A LiDAR frame with NaN / inf points; dense: boxes of 5-60 m on the points as well, so
+    that most (block, box) pairs are near and many points are in several boxes (hits on both
+    sides of every 32-bit word of the kernel's bitmask)."""
+    pts, bxs = box_inputs.lidar_frame(n_points, n_boxes, batch=batch, seed=seed)
+    if dense:
+        g = torch.Generator().manual_seed(seed)
+        pick = torch.randint(0, n_points, (batch, n_boxes), generator=g)
+        bxs[..., :2] = pts[..., :2].gather(1, pick[..., None].expand(-1, -1, 2))
+        bxs[..., 2] = pts[..., 2].min() - 1.0
+        bxs[..., 3:5] = 5.0 + 55.0 * torch.rand(batch, n_boxes, 2, generator=g)
+        bxs[..., 5] = 50.0
+    pts[0, n_points // 3, 0] = math.nan
+    pts[-1, n_points // 2, 2] = math.nan
+    pts[-1, n_points - 1, 1] = math.inf
+    return pts, bxs
+
+
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("n_boxes", [1, 2, 3, 4, 5, 7, 31, 32, 33, 63, 200, 511, 512])
+def test_native_all_flat_bitmask_every_offset(n_boxes, dense):
+    """The flat kernel (<= 512 boxes) tests a block's near pairs into a bitmask of its output
+    range, then stores it as 16-byte words (a nibble each) with scalar heads and tails: every
+    box count mod 4 and mod 32 (words that span rows, rows that span bit words), 3 frames, a
+    partial last block (517 points), NaN / inf points, and `out` views 0-3 int32 off a 16-byte
+    boundary with poisoned guards on both sides: element by element the reference, the guards
+    untouched."""
+    from mu_space.runtime import native
+    from mu_space.runtime.device import stream_handle
+
+    device = native_gpu_device()
+    pts, bxs = _flat_inputs(517, n_boxes, 3, n_boxes + 100 * dense, dense)
+    pts, bxs = pts.to(device), bxs.to(device)
+    want = points_in_boxes_all(pts, bxs, backend="reference")
+    if dense and n_boxes > 1:
+        assert (want.sum(-1) > 1).any()  # points in several boxes
+    fn = native.function("points_in_boxes_all_forward")
+    n = want.numel()
+    for shift in range(4):
+        buf = torch.full((n + 8,), -7, dtype=torch.int32, device=device)
+        assert buf.data_ptr() % 16 == 0
+        out = buf[shift : shift + n].view(want.shape)
+        fn(pts, bxs, out, stream_handle(pts))
+        assert torch.equal(out, want), f"out 4 * {shift} bytes off"
+        assert (buf[:shift] == -7).all() and (buf[shift + n :] == -7).all()
+
+
+def test_native_all_flat_culled_frames_and_batches_beyond_the_grid():
+    """Frames whose boxes are all far from the points (every pair culled: zeros from the
+    bitmask alone) next to frames with hits; then 65538 small frames (more than the grid's
+    65535 rows: blocks loop over frames, reusing the bitmask, with M * T = 15 odd so the head
+    and the bit offset change from frame to frame). Poisoned outputs."""
+    device = native_gpu_device()
+    pts, bxs = _flat_inputs(300, 37, 6, 8, True)
+    bxs[1::2, :, :2] += 1e4
+    pts, bxs = pts.to(device), bxs.to(device)
+    want = points_in_boxes_all(pts, bxs, backend="reference")
+    assert want[1::2].sum() == 0 and want[0::2].sum() > 0
+    torch.full((6, 300, 37), 7, dtype=torch.int32, device=device)  # poison the allocator
+    assert torch.equal(points_in_boxes_all(pts, bxs, backend="native"), want)
+
+    g = torch.Generator().manual_seed(4)
+    B = 65535 + 3
+    pts = 2.0 * torch.randn(B, 3, 3, generator=g)
+    bxs = torch.cat(
+        [
+            2.0 * torch.randn(B, 5, 3, generator=g),
+            1.0 + 4.0 * torch.rand(B, 5, 3, generator=g),
+            6.0 * torch.rand(B, 5, 1, generator=g),
+        ],
+        -1,
+    )
+    pts, bxs = pts.to(device), bxs.to(device)
+    want = points_in_boxes_all(pts, bxs, backend="reference")
+    assert want.sum() > 0 and want[-1].numel() == 15
+    torch.full((B, 3, 5), 7, dtype=torch.int32, device=device)
+    assert torch.equal(points_in_boxes_all(pts, bxs, backend="native"), want)
