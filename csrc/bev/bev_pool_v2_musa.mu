@@ -1374,8 +1374,8 @@ bool backward_frustum(TensorView grad_rows, TensorView depth, TensorView feat,
           data_of<const int>(ranks_depth), data_of<const int>(ranks_feat),
           data_of<const int>(ranks_bev), data_of<const int>(point_of_depth),
           add_irregular ? data_of<float>(grad_depth) : nullptr,
-          add_irregular ? data_of<float>(grad_feat) : nullptr, irregular_flag,
-          static_cast<int>(n), n_depth, n_rows, n_cells, static_cast<int>(channels), bins * hw, hw);
+          add_irregular ? data_of<float>(grad_feat) : nullptr, irregular_flag, static_cast<int>(n),
+          n_depth, n_rows, n_cells, static_cast<int>(channels), bins * hw, hw);
       check_launch("bev_pool_v2 irregular_points_kernel");
     });
   });
