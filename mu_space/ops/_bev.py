@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import operator
 import os
-import weakref
 from typing import NamedTuple
 
 import torch
 
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
+from mu_space.ops._tensor_cache import TensorKeyedCache
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
@@ -32,7 +32,7 @@ class Grid(NamedTuple):
         return self.B * self.Z * self.Y * self.X
 
 
-class _FrustumRanks:
+class _FrustumRanks(TensorKeyedCache):
     """(ranks_depth, ranks_feat) pairs known to be in the frustum layout of a depth
     [B, N, D, H, W]: every valid point has its own depth entry and its ray's feat row. The
     prepare ops (reference and native, padded too) build only such ranks and record them here,
@@ -41,37 +41,11 @@ class _FrustumRanks:
     recorded (the backward checks them on the device). An entry holds while both tensors live
     and neither is modified in place (version counters)."""
 
-    MAX_ENTRIES = 64
-
-    def __init__(self):
-        self._entries: dict = {}
-
-    @staticmethod
-    def _versions(ranks_depth, ranks_feat):
-        if ranks_depth.is_inference() or ranks_feat.is_inference():
-            return None
-        return (ranks_depth._version, ranks_feat._version)
-
     def add(self, ranks_depth, ranks_feat, layout) -> None:
-        versions = self._versions(ranks_depth, ranks_feat)
-        if versions is None:
-            return
-        if len(self._entries) >= self.MAX_ENTRIES:  # drop the dead ones first, then the oldest
-            for key in [k for k, v in self._entries.items() if v[0]() is None or v[1]() is None]:
-                del self._entries[key]
-            while len(self._entries) >= self.MAX_ENTRIES:
-                del self._entries[next(iter(self._entries))]
-        key = (id(ranks_depth), id(ranks_feat), tuple(layout))
-        self._entries[key] = (weakref.ref(ranks_depth), weakref.ref(ranks_feat), versions)
+        self.store((ranks_depth, ranks_feat), tuple(layout), True)
 
     def holds(self, ranks_depth, ranks_feat, layout) -> bool:
-        entry = self._entries.get((id(ranks_depth), id(ranks_feat), tuple(layout)))
-        return (
-            entry is not None
-            and entry[0]() is ranks_depth
-            and entry[1]() is ranks_feat
-            and entry[2] == self._versions(ranks_depth, ranks_feat)
-        )
+        return self.lookup((ranks_depth, ranks_feat), tuple(layout)) is not None
 
 
 FRUSTUM_RANKS = _FrustumRanks()

@@ -54,14 +54,13 @@ the same device; a flagged error re-runs the reference, which raises its own mes
 
 from __future__ import annotations
 
-import collections
 import functools
 import os
-import weakref
 
 import torch
 
 from mu_space.ops import _opdef
+from mu_space.ops._tensor_cache import TensorKeyedCache
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
@@ -237,7 +236,7 @@ def rulebook_native(c, *args):
     return RuleBook(out_indices, pairs, num)
 
 
-class _ValidSites:
+class _ValidSites(TensorKeyedCache):
     """Index tensors known to hold distinct sites inside a (batch_size, spatial shape) grid:
     sites whose SubM flags were read clean (and the rule book's copy of them), and a strided /
     transposed rule book's decoded unique keys. A SubM rule book over such
@@ -248,41 +247,17 @@ class _ValidSites:
 
     MAX_ENTRIES = 256
 
-    def __init__(self):
-        self._entries: collections.OrderedDict = collections.OrderedDict()
-
-    @staticmethod
-    def _version(indices):
-        return None if indices.is_inference() else indices._version
-
     def add(self, indices: torch.Tensor, grid) -> None:
-        version = self._version(indices)
-        if version is None:
-            return
-        key = (id(indices), grid)
-        cache = weakref.ref(self)
-
-        def forget(dead, key=key):
-            entries = getattr(cache(), "_entries", None)
-            if entries is not None and key in entries and entries[key][0] is dead:
-                del entries[key]
-
-        self._entries[key] = (weakref.ref(indices, forget), version)
-        while len(self._entries) > self.MAX_ENTRIES:
-            self._entries.popitem(last=False)
+        self.store((indices,), grid, True)
 
     def holds(self, indices: torch.Tensor, grid) -> bool:
-        entry = self._entries.get((id(indices), grid))
-        return entry is not None and entry[0]() is indices and entry[1] == self._version(indices)
-
-    def clear(self) -> None:
-        self._entries.clear()
+        return self.lookup((indices,), grid) is not None
 
 
 VALID_SITES = _ValidSites()
 
 
-class _SubMRuleBooks:
+class _SubMRuleBooks(TensorKeyedCache):
     """The native SubM rule books of live index tensors, by (batch_size, spatial shape,
     kernel size, padding, dilation): a SubM rule book is a function of its sites and those
     alone, so a second SubM layer over the same sites (mmdet3d's SparseBasicBlock convs carry no
@@ -293,45 +268,11 @@ class _SubMRuleBooks:
 
     MAX_ENTRIES = 16
 
-    def __init__(self):
-        self._entries: collections.OrderedDict = collections.OrderedDict()
-
-    @staticmethod
-    def _versions(tensors):
-        if any(t.is_inference() for t in tensors):
-            return None
-        return tuple(t._version for t in tensors)
-
     def put(self, indices, layer, rulebook) -> None:
-        versions = self._versions((indices, *rulebook))
-        if versions is None:
-            return
-        key = (id(indices), layer)
-        cache = weakref.ref(self)
-
-        def forget(dead, key=key):
-            entries = getattr(cache(), "_entries", None)
-            if entries is not None and key in entries and entries[key][0] is dead:
-                del entries[key]
-
-        self._entries[key] = (weakref.ref(indices, forget), versions, rulebook)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.MAX_ENTRIES:
-            self._entries.popitem(last=False)
+        self.store((indices,), layer, rulebook, also=tuple(rulebook))
 
     def get(self, indices, layer):
-        entry = self._entries.get((id(indices), layer))
-        if entry is None:
-            return None
-        ref, versions, rulebook = entry
-        if ref() is not indices or versions != self._versions((indices, *rulebook)):
-            del self._entries[(id(indices), layer)]
-            return None
-        self._entries.move_to_end((id(indices), layer))
-        return rulebook
-
-    def clear(self) -> None:
-        self._entries.clear()
+        return self.lookup((indices,), layer)
 
 
 SUBM_RULEBOOKS = _SubMRuleBooks()
@@ -340,7 +281,7 @@ SUBM_RULEBOOKS = _SubMRuleBooks()
 # --------------------------------------------------------------------------- pairs
 
 
-class _CheckedPairs:
+class _CheckedPairs(TensorKeyedCache):
     """The checks of rule books already seen: one host synchronisation per rule book, not one per
     layer call. A SparseEncoder calls the convolutions of one rule book several times (SubM
     layers sharing an indice_key, then each one's backward): on the H200 (2026-12-01) the
@@ -349,59 +290,11 @@ class _CheckedPairs:
     the pairs and counts tensors and the sizes it was checked against, and holds only while
     both tensors live and neither was modified in place (their version counters)."""
 
-    MAX_ENTRIES = 64
-
-    def __init__(self):
-        self._entries: collections.OrderedDict = collections.OrderedDict()
-
-    @staticmethod
-    def _key(pairs, num, n_in, n_out, inverse):
-        return (id(pairs), id(num), int(n_in), int(n_out), bool(inverse))
-
-    @staticmethod
-    def _versions(pairs, num):
-        """Both version counters; None for inference tensors (no counter: never cached)."""
-        if pairs.is_inference() or num.is_inference():
-            return None
-        return (pairs._version, num._version)
-
     def get(self, pairs, num, n_in, n_out, inverse):
-        key = self._key(pairs, num, n_in, n_out, inverse)
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        pairs_ref, num_ref, versions, value = entry
-        if (
-            pairs_ref() is not pairs
-            or num_ref() is not num
-            or versions != self._versions(pairs, num)
-        ):
-            del self._entries[key]
-            return None
-        self._entries.move_to_end(key)
-        return value
+        return self.lookup((pairs, num), (int(n_in), int(n_out), bool(inverse)))
 
     def put(self, pairs, num, n_in, n_out, inverse, value) -> None:
-        versions = self._versions(pairs, num)
-        if versions is None:
-            return
-        key = self._key(pairs, num, n_in, n_out, inverse)
-        cache = weakref.ref(self)
-
-        def forget(dead, key=key):  # the entry (its neighbour maps) goes with its tensors
-            entries = getattr(cache(), "_entries", None)
-            entry = entries.get(key) if entries is not None else None
-            if entry is not None and dead in entry[:2]:
-                del entries[key]
-
-        refs = (weakref.ref(pairs, forget), weakref.ref(num, forget), versions)
-        self._entries[key] = (*refs, value)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.MAX_ENTRIES:
-            self._entries.popitem(last=False)
-
-    def clear(self) -> None:
-        self._entries.clear()
+        self.store((pairs, num), (int(n_in), int(n_out), bool(inverse)), value)
 
 
 CHECKED_PAIRS = _CheckedPairs()

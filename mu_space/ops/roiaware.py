@@ -16,15 +16,14 @@ Composite of two internal ops (custom ops in a torch.compile graph):
 
 from __future__ import annotations
 
-import collections
 import math
-import weakref
 
 import torch
 from torch import nn
 
 from mu_space.ops import _box3d, _opdef
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
+from mu_space.ops._tensor_cache import TensorKeyedCache
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
@@ -310,7 +309,7 @@ def pool_backward_reference(
     return (grad.view(P, C).to(pts_feature.dtype),)
 
 
-class _SavedArgmax:
+class _SavedArgmax(TensorKeyedCache):
     """The max-mode winners (int32 [cells, C]) each native pool call wrote for a pts_feature that
     needs a gradient, by the identity and version of (pts_feature, cell_start, cell_count,
     point_list): the backward loads them instead of walking every cell's slice again (the walk
@@ -320,37 +319,11 @@ class _SavedArgmax:
 
     MAX_ENTRIES = 8
 
-    def __init__(self):
-        self._entries: collections.OrderedDict = collections.OrderedDict()
-
-    @staticmethod
-    def _state(tensors):
-        if any(t.is_inference() for t in tensors):
-            return None
-        return tuple((id(t), t._version) for t in tensors)
-
     def put(self, tensors, argmax) -> None:
-        state = self._state(tensors)
-        if state is None:
-            return
-        key = tuple(k for k, _ in state)
-        cache = weakref.ref(self)
-
-        def forget(dead, key=key):
-            entries = getattr(cache(), "_entries", None)
-            if entries is not None and key in entries and entries[key][0] is dead:
-                del entries[key]
-
-        self._entries[key] = (weakref.ref(tensors[1], forget), state, argmax)
-        while len(self._entries) > self.MAX_ENTRIES:
-            self._entries.popitem(last=False)
+        self.store(tuple(tensors), None, argmax)
 
     def get(self, tensors):
-        state = self._state(tensors)
-        entry = None if state is None else self._entries.get(tuple(k for k, _ in state))
-        if entry is None or entry[0]() is not tensors[1] or entry[1] != state:
-            return None
-        return entry[2]
+        return self.lookup(tuple(tensors), None)
 
 
 SAVED_ARGMAX = _SavedArgmax()
