@@ -142,23 +142,27 @@ def test_native_matches_reference(config, B, channels, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("ny, nx", [(49, 51), (50, 49), (50, 50), (48, 50)])
 @pytest.mark.parametrize("offset", [0, 1, 8])
-@pytest.mark.parametrize("channels", [5, 19])
+@pytest.mark.parametrize("channels, feats_offset", [(5, 0), (16, 0), (16, 1), (19, 0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_native_canvas_vectors_and_fallback(ny, nx, offset, channels, dtype):
+def test_native_canvas_vectors_and_fallback(ny, nx, offset, channels, feats_offset, dtype):
     """canvas_kernel's paths on the entry point: 16-byte vectors of K = 16 / element-size cells
     when the plane is a multiple of K and the canvas 16-byte aligned (float32: 50 x 50 and
     48 x 50 at offsets 0 and 8; 16-bit: 48 x 50 at offsets 0 and 8), else one cell per thread
     (odd planes, a plane of 2 mod 4, offset 1). 19 channels: two full 8-channel chunks and a
-    partial one. Pillars beyond a smaller canvas fall outside. The canvas starts poisoned
-    (NaN): every element must be written, nothing before it."""
+    partial one; 16 channels from 16-byte aligned features: each pillar's chunk read as 16-byte
+    loads, and from features one element off (not aligned): one load per channel. Pillars
+    beyond a smaller canvas fall outside. The canvas starts poisoned (NaN): every element must
+    be written, nothing before it."""
     from mu_space.runtime import native
     from mu_space.runtime.device import stream_handle
 
     device = native_gpu_device()
     feats, coors, B, _ = _pillars("tiny-pillars", 2, channels, dtype)
     want = mu_space.pillar_scatter(feats, coors, B, (ny, nx), backend="reference")
-    f, c = feats.to(device), coors.to(device)
     C = feats.shape[1]
+    f_buf = torch.full((feats.numel() + feats_offset,), float("nan"), dtype=dtype, device=device)
+    f = f_buf[feats_offset:].view_as(feats).copy_(feats)
+    c = coors.to(device)
     buf = torch.full((B * C * ny * nx + offset,), float("nan"), dtype=dtype, device=device)
     canvas = buf[offset:].view(B, C, ny, nx)
     cell_map = torch.empty(B * ny * nx, dtype=torch.int32, device=device)
