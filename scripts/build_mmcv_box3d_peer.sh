@@ -92,6 +92,10 @@ probe() {  # probe NAME CODE: 1 when CODE compiles against this torch
 HAVE_CEILDIV=$(probe ceildiv '#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAApplyUtils.cuh>
 int f() { return at::cuda::ATenCeilDiv(5, 2); }')
+# newer common_cuda_helper.hpp (mmcv 2.x) has the two-argument GET_BLOCKS itself
+HAVE_GET_BLOCKS2=0
+grep -q "GET_BLOCKS(const int N, const int num_threads" "$COMMON/cuda/common_cuda_helper.hpp" \
+  && HAVE_GET_BLOCKS2=1
 cat >"$OUT/shim/mmcv_peer_compat.h" <<EOF
 // build_mmcv_box3d_peer.sh: what newer mmcv helpers / older torch provide (force-included)
 #pragma once
@@ -108,9 +112,11 @@ cat >"$OUT/shim/mmcv_peer_compat.h" <<EOF
   for (size_t i = blockIdx.x; i < (n); i += gridDim.x) \\
     for (size_t j = blockIdx.y; j < (m); j += gridDim.y)
 #endif
+#if $((1 - HAVE_GET_BLOCKS2))
 inline int GET_BLOCKS(const int N, const int num_threads) {
   return std::min((N + num_threads - 1) / num_threads, 4096);
 }
+#endif
 #if $((1 - HAVE_CEILDIV))
 namespace at { namespace cuda {
 template <typename T> inline T ATenCeilDiv(T a, T b) { return (a + b - 1) / b; }

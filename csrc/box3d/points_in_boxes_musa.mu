@@ -11,9 +11,9 @@
 // once per box and block), each thread stops at its first hit and the block stops when all its
 // points have one. all (the output, 4*M*T bytes, is the whole cost: 240 MB at 300k x 200):
 // up to kFlatBoxes boxes per batch, a block owns 128 points and ALL boxes (in shared memory),
-// so its output is one contiguous range of int32: the block first stores zeros over that range
-// as 16-byte words, consecutive threads on consecutive words (a memset), then tests only its
-// near (point, box) pairs and stores a 1 for each hit; more boxes:
+// so its output is one contiguous range of int32: the block tests only its near (point, box)
+// pairs, into a bitmask of that range in shared memory, then its threads write the range as
+// 16-byte words, consecutive threads on consecutive words (memset store pattern); more boxes:
 // a block owns a tile of 64 boxes and a chunk of points and consecutive threads write
 // consecutive int32 of each point's row. No host synchronisation;
 // any B (grid-stride over batches), any M and T up to 2^31 - 1.
@@ -41,12 +41,20 @@ constexpr int kPartBoxTile = 256;  // boxes per shared tile (36 bytes each: 9 KB
 constexpr int kAllBoxTile = 64;    // boxes per block of the all kernel
 constexpr int kAllPoints = 128;    // points per block of the all kernel
 // boxes per batch the flat all kernel keeps in shared memory (36 B each: 18 KB; with the
-// bounds' reduction, 4 KB, and the flags 22 KB, under the 28 KB portable limit)
+// block's values as bits, 8 KB, and the flags 26 KB, under the 28 KB portable limit)
 constexpr int kFlatBoxes = 512;
 constexpr int kMaxGridY = 65535;  // batches per launch row (grid-stride beyond)
 constexpr int64_t kMaxCount = INT_MAX;
 MUSPACE_LIMIT(points_in_boxes, max_points, kMaxCount);
 MUSPACE_LIMIT(points_in_boxes, max_boxes, kMaxCount);
+
+// The flat all kernel's scratch: the bounds' reduction, then (after a barrier) one bit per value
+// of the block's output range, offset by up to 3 bits (kAllPoints * kFlatBoxes + 3 bits).
+constexpr int kFlatBitWords = (kAllPoints * kFlatBoxes + 3 + 31) / 32;
+union FlatScratch {
+  float red[4][kThreads];
+  unsigned int bits[kFlatBitWords];
+};
 
 template <typename T>
 __device__ __forceinline__ PointBox load_point_box(const T* __restrict__ boxes, int64_t i) {
@@ -187,28 +195,29 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // all, n_boxes <= kFlatBoxes: the block's output out[b, m0 : m0 + np, :] is the contiguous
-// range [e0, e0 + np * n_boxes) of int32, almost all zeros. Computing a value per stored element
-// made the kernel issue-bound (ncu, H200: 80% of the issue slots, 42% of DRAM); computing the
-// values as bits first and storing them after left it at 77% of torch's fill rate, the store
-// stream waiting behind each block's setup (73.4 us against a 58.6 us fill, H200, 2026-12-01).
-// So the block first stores zeros over its whole range (a memset: 16-byte words to consecutive
-// threads, nothing to wait for), and only then finds its hits and stores their ones:
-//   1. zeros over [e0, e0 + len) (the elements before the first and after the last whole
-//      16-byte word, misalign being the int32 offset of out mod 4, one by one);
-//   2. points (thread tid holds point tid % kAllPoints in registers), the block's bounds, the
-//      boxes and their near flags (box_misses);
-//   3. after a barrier (which orders the block's zero stores before its one stores), the near
-//      (point, box) pairs only: a thread takes one point and one 32-box word of flags (a warp:
-//      32 points, the same word: the same boxes, broadcast loads, uniform loop) and stores a 1
-//      for each hit (rare: a point is in few boxes); a culled pair stays 0 by box_misses' proof.
+// range [e0, e0 + np * n_boxes) of int32. Computing a value per stored element made the kernel
+// issue-bound (ncu, H200: 80% of the issue slots, 42% of DRAM): a flag test, the point and box
+// loads and the (pt, t) stepping per element, the near-box branch taken by almost every warp.
+// So the values are computed first, as bits, and stored after:
+//   1. points (thread tid holds point tid % kAllPoints in registers), the block's bounds, the
+//      boxes and their near flags (box_misses), as before;
+//   2. the near (point, box) pairs only: a thread takes one point and one 32-box word of flags
+//      (a warp: 32 points, the same word: the same boxes, broadcast loads, uniform loop) and
+//      ORs its hits into a bitmask of the block's range in shared memory (value e is bit
+//      e + off); a culled pair is a 0 by box_misses' proof, as before;
+//   3. the memset-like store: 16-byte words to consecutive threads, word w's four values one
+//      nibble of the bitmask (off makes the body's words nibble-aligned); the elements before
+//      the first and after the last whole word (misalign: the int32 offset of out mod 4) are
+//      stored one by one.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     all_flat_kernel(const T* __restrict__ points, const T* __restrict__ boxes,
                     int* __restrict__ out, int batches, int n_points, int n_boxes, int misalign) {
   static_assert(kThreads % kAllPoints == 0, "a thread keeps one point across its box words");
+  static_assert(kThreads % 8 == 0, "a thread's store nibble is the same in every iteration");
   __shared__ PointBox s_box[kFlatBoxes];
   __shared__ unsigned int s_near[kFlatBoxes / 32];  // boxes the block's bounds may hit
-  __shared__ float s_red[4][kThreads];
+  __shared__ FlatScratch s_scr;  // the bounds' reduction, then the block's values as bits
   const int tid = threadIdx.x;
   const int m0 = blockIdx.x * kAllPoints;
   const int np = min(kAllPoints, n_points - m0);
@@ -216,17 +225,7 @@ __global__ void __launch_bounds__(kThreads)
   const int i = tid % kAllPoints;  // this thread's point (threads i and i + 128 share it)
   const int near_words = (n_boxes + 31) / 32;
   for (int b = blockIdx.y; b < batches; b += gridDim.y) {
-    const int64_t e0 = (static_cast<int64_t>(b) * n_points + m0) * n_boxes;
-    int* o = out + e0;
-    const int head = min(len, (4 - static_cast<int>((e0 + misalign) & 3)) & 3);
-    const int words = (len - head) / 4;
-    const int tail = head + words * 4;
-    if (tid < head) o[tid] = 0;
-    if (tid < len - tail) o[tail + tid] = 0;
-    int4* body = reinterpret_cast<int4*>(o + head);
-    for (int w = tid; w < words; w += kThreads) body[w] = make_int4(0, 0, 0, 0);
-
-    __syncthreads();  // the previous batch's boxes and flags are consumed
+    __syncthreads();  // the previous batch's boxes, flags and bits are consumed
     if (tid < kFlatBoxes / 32) s_near[tid] = 0;  // ordered before the atomics by block_bounds
     float x = 0.0f, y = 0.0f, z = 0.0f;
     if (i < np) {
@@ -236,20 +235,55 @@ __global__ void __launch_bounds__(kThreads)
       z = to_float(p[2]);
     }
     float lo[2], hi[2];
-    block_bounds(tid < np, x, y, s_red, lo, hi);
+    block_bounds(tid < np, x, y, s_scr.red, lo, hi);
     for (int k = tid; k < n_boxes; k += kThreads) {
       s_box[k] = load_point_box(boxes, static_cast<int64_t>(b) * n_boxes + k);
       if (!box_misses(s_box[k], lo, hi)) atomicOr(s_near + k / 32, 1u << (k % 32));
     }
-    __syncthreads();  // boxes and flags complete; every zero of the range stored before a one
+    const int64_t e0 = (static_cast<int64_t>(b) * n_points + m0) * n_boxes;
+    const int head = min(len, (4 - static_cast<int>((e0 + misalign) & 3)) & 3);
+    const int off = (4 - head) & 3;  // value e is bit e + off: body word w is nibble w + first
+    const int first = (head + off) / 4;
+    const int bit_words = (len + off + 31) / 32;
+    __syncthreads();  // s_scr.red is consumed (lo, hi); boxes and flags are complete
+    for (int j = tid; j < bit_words; j += kThreads) s_scr.bits[j] = 0;
+    __syncthreads();
     if (i < np) {
-      int* row = o + static_cast<int64_t>(i) * n_boxes;
       for (int k = tid / kAllPoints; k < near_words; k += kThreads / kAllPoints) {
+        unsigned int hits = 0;
         for (unsigned int near = s_near[k]; near; near &= near - 1) {
           const int u = __ffs(static_cast<int>(near)) - 1;
-          if (point_in_box(s_box[k * 32 + u], x, y, z)) row[k * 32 + u] = 1;
+          hits |= static_cast<unsigned int>(point_in_box(s_box[k * 32 + u], x, y, z)) << u;
+        }
+        if (hits) {  // rare: a point is in few boxes. Boxes 32k.. of point i: bits f, f + 1, ..
+          const unsigned int f = i * n_boxes + k * 32 + off;
+          const unsigned int s = f % 32;
+          atomicOr(s_scr.bits + f / 32, hits << s);
+          // the bits past the word (set bits are boxes < n_boxes: inside bit_words)
+          if (s != 0 && (hits >> (32 - s)) != 0) {
+            atomicOr(s_scr.bits + f / 32 + 1, hits >> (32 - s));
+          }
         }
       }
+    }
+    __syncthreads();
+    auto value = [&](int e) -> int {
+      const unsigned int f = e + off;
+      return (s_scr.bits[f / 32] >> (f % 32)) & 1u;
+    };
+    int* o = out + e0;
+    const int words = (len - head) / 4;
+    const int tail = head + words * 4;
+    if (tid < head) o[tid] = value(tid);
+    if (tid < len - tail) o[tail + tid] = value(tail + tid);
+    int4* body = reinterpret_cast<int4*>(o + head);
+    // word w is nibble w + first: 8 a 32-bit word (8 consecutive threads read it, broadcast);
+    // kThreads is a multiple of 8, so a thread's nibble is the same one in every bit word
+    const unsigned int shift = (tid + first) % 8 * 4;
+    const unsigned int* src = s_scr.bits + (tid + first) / 8;
+    for (int w = tid; w < words; w += kThreads, src += kThreads / 8) {
+      const unsigned int nib = *src >> shift;
+      body[w] = make_int4(nib & 1u, (nib >> 1) & 1u, (nib >> 2) & 1u, (nib >> 3) & 1u);
     }
   }
 }

@@ -263,7 +263,7 @@ def test_native_all_every_box_count(n_boxes):
 def _flat_inputs(n_points, n_boxes, batch, seed, dense):
     """A LiDAR frame with NaN / inf points; dense: boxes of 5-60 m on the points as well, so
     that most (block, box) pairs are near and many points are in several boxes (hits on both
-    sides of every 16-byte word of the kernel's zero stream)."""
+    sides of every 32-bit word of the kernel's bitmask)."""
     pts, bxs = box_inputs.lidar_frame(n_points, n_boxes, batch=batch, seed=seed)
     if dense:
         g = torch.Generator().manual_seed(seed)
@@ -280,10 +280,10 @@ def _flat_inputs(n_points, n_boxes, batch, seed, dense):
 
 @pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("n_boxes", [1, 2, 3, 4, 5, 7, 31, 32, 33, 63, 200, 511, 512])
-def test_native_all_flat_every_offset(n_boxes, dense):
-    """The flat kernel (<= 512 boxes) stores zeros over a block's output range as 16-byte words
-    with scalar heads and tails, then a 1 for each hit of its near pairs: every box count mod 4
-    and mod 32 (words that span rows, rows that span flag words), 3 frames, a
+def test_native_all_flat_bitmask_every_offset(n_boxes, dense):
+    """The flat kernel (<= 512 boxes) tests a block's near pairs into a bitmask of its output
+    range, then stores it as 16-byte words (a nibble each) with scalar heads and tails: every
+    box count mod 4 and mod 32 (words that span rows, rows that span bit words), 3 frames, a
     partial last block (517 points), NaN / inf points, and `out` views 0-3 int32 off a 16-byte
     boundary with poisoned guards on both sides: element by element the reference, the guards
     untouched."""
@@ -308,10 +308,10 @@ def test_native_all_flat_every_offset(n_boxes, dense):
 
 
 def test_native_all_flat_culled_frames_and_batches_beyond_the_grid():
-    """Frames whose boxes are all far from the points (every pair culled: the zero stream alone)
-    next to frames with hits; then 65538 small frames (more than the grid's 65535 rows: blocks
-    loop over frames, reusing their shared boxes and flags, with M * T = 15 odd so the head and
-    the tail change from frame to frame). Poisoned outputs."""
+    """Frames whose boxes are all far from the points (every pair culled: zeros from the
+    bitmask alone) next to frames with hits; then 65538 small frames (more than the grid's
+    65535 rows: blocks loop over frames, reusing the bitmask, with M * T = 15 odd so the head
+    and the bit offset change from frame to frame). Poisoned outputs."""
     device = native_gpu_device()
     pts, bxs = _flat_inputs(300, 37, 6, 8, True)
     bxs[1::2, :, :2] += 1e4
