@@ -138,12 +138,13 @@ def pillar_canvas(
     base_elems: int = 0,
     grid_y: int = 65535,
     grid_z: int = 65535,
-    chunk: int = 8,
+    chunk: int | None = None,
 ):
     """pillar_scatter_musa.mu's forward: fill_map (-1, then the highest pillar of a cell), the
     launcher's choice K = 16 bytes / element (plane % K == 0 and the canvas base 16-byte
     aligned; the base is `base_elems` elements past a 16-byte aligned address) or 1, then
     canvas_vector_kernel (blockIdx.z over samples, blockIdx.y over chunks of `chunk` channels,
+    default channel_chunk<W>(): 8 for 32-bit, 4 for 16-bit elements,
     a grid-stride loop of `threads` threads over the K-cell groups of a plane) or canvas_kernel
     (a grid-stride loop with RowCol over (b, yx)). feats_bits [M, C] are the raw element words
     (uint16 / uint32). Returns (canvas words [B, C, ny, nx], how many stores wrote each element,
@@ -177,6 +178,8 @@ def pillar_canvas(
                     writes[off] += 1
         return canvas.reshape(B, C, ny, nx), writes.reshape(B, C, ny, nx), K
     groups = plane // K
+    if chunk is None:
+        chunk = 8 if feats_bits.dtype.itemsize == 4 else 4
     chunks = (C + chunk - 1) // chunk
     for bz in range(min(grid_z, B)):
         for b in range(bz, B, grid_z):

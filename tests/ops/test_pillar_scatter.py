@@ -142,15 +142,19 @@ def test_native_matches_reference(config, B, channels, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("ny, nx", [(49, 51), (50, 49), (50, 50), (48, 50)])
 @pytest.mark.parametrize("offset", [0, 1, 8])
-@pytest.mark.parametrize("channels, feats_offset", [(5, 0), (16, 0), (16, 1), (19, 0)])
+@pytest.mark.parametrize(
+    "channels, feats_offset", [(5, 0), (12, 0), (16, 0), (16, 1), (16, 4), (19, 0)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_native_canvas_vectors_and_fallback(ny, nx, offset, channels, feats_offset, dtype):
     """canvas_kernel's paths on the entry point: 16-byte vectors of K = 16 / element-size cells
     when the plane is a multiple of K and the canvas 16-byte aligned (float32: 50 x 50 and
     48 x 50 at offsets 0 and 8; 16-bit: 48 x 50 at offsets 0 and 8), else one cell per thread
     (odd planes, a plane of 2 mod 4, offset 1). 19 channels: two full 8-channel chunks and a
-    partial one; 16 channels from 16-byte aligned features: each pillar's chunk read as 16-byte
-    loads, and from features one element off (not aligned): one load per channel. Pillars
+    partial one. Each pillar's chunk (8 float32 / 4 16-bit channels) is read with vector loads
+    when C is a multiple of the chunk and the features aligned to it: 16 channels at offset 0
+    (both), 12 channels (16-bit only), offset 4 elements (16-bit: 8 bytes, aligned; float32:
+    16 bytes, not); offset 1: one load per channel. Pillars
     beyond a smaller canvas fall outside. The canvas starts poisoned (NaN): every element must
     be written, nothing before it."""
     from mu_space.runtime import native
