@@ -74,12 +74,23 @@ def collect(path: str) -> dict:
     cases["segment_reduce_forward"] = _battery(
         lib,
         "segment_reduce_forward",
-        [feats, order, starts, starts.copy(), np.zeros((m, C), f32), 2, 0],
+        [feats, order, starts, starts.copy(), np.zeros((m, C), f32), np.zeros((m, C), i32), 2, 0],
     )
     cases["segment_reduce_backward"] = _battery(
         lib,
         "segment_reduce_backward",
-        [np.zeros((m, C), f32), feats, order, starts, starts.copy(), vec, feats.copy(), 1, 0],
+        [
+            np.zeros((m, C), f32),
+            feats,
+            order,
+            starts,
+            starts.copy(),
+            vec,
+            np.zeros((m, C), i32),
+            feats.copy(),
+            2,
+            0,
+        ],
     )
     B, ny, nx = 2, 3, 4
     cmap = np.zeros(B * ny * nx, i32)

@@ -23,15 +23,20 @@
 // on the device); on the H200 (2026-12-01, 300k points) it took 125 of the grouping's 161 us.
 //
 // segment_reduce_forward: a thread per (voxel, channel) sums (or maxes, NaN ignored) the voxel's
-// rows in input order in float32 and rounds once. segment_reduce_backward: sum / mean a thread
-// per (row, channel); max: a zero fill, then a thread per (voxel, channel) finds the first row
-// holding the maximum (mmcv's tie rule) and gives it the gradient. No atomics, deterministic.
+// rows in input order in float32 and rounds once; max optionally writes the winner row per
+// (voxel, channel) (the first row holding the maximum, mmcv's tie rule; -1 when none) into an
+// int32 argmax [M, C]. segment_reduce_backward: sum / mean a thread per (row, 16-byte piece)
+// when C and the pointers allow (else per (row, channel)); max with the forward's argmax: the
+// same per-row layout, grad[i, c] = argmax[v, c] == i ? grad_out[v, c] : 0 (every element
+// written once); max without it: a zero fill, then a thread per (voxel, channel) finds the
+// first row holding the maximum and gives it the gradient. No atomics, deterministic.
 //
 // Safety: every data-dependent index is checked (order entries against N, starts / counts
 // against K, voxels against M); a bad grouping gives unspecified values, never an illegal
 // access.
 
 #include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
 
 #include <algorithm>
 #include <climits>
@@ -213,7 +218,8 @@ template <typename T>
 __global__ void __launch_bounds__(kBlock)
     segment_reduce_kernel(const T* __restrict__ feats, int n, int channels,
                           const int* __restrict__ order, int k, const int* __restrict__ starts,
-                          const int* __restrict__ counts, int m, int reduce, T* __restrict__ out) {
+                          const int* __restrict__ counts, int m, int reduce, T* __restrict__ out,
+                          int* __restrict__ argmax) {
   const int64_t total = static_cast<int64_t>(m) * channels;
   if (channels <= 0) return;
   RowCol rc(global_thread(), global_threads(), channels);
@@ -223,18 +229,25 @@ __global__ void __launch_bounds__(kBlock)
     int s, end;
     voxel_range(starts, counts, v, k, s, end);
     float acc = reduce == kMax ? negative_infinity() : 0.0f;
+    int arg = -1;
     for (int j = s; j < end; ++j) {
       const int i = order[j];
       if (static_cast<unsigned>(i) >= static_cast<unsigned>(n)) continue;
       const float x = to_float(feats[static_cast<int64_t>(i) * channels + c]);
       if (reduce == kMax) {
-        acc = x > acc ? x : acc;  // NaN never wins (mmcv's fmaxf)
+        // NaN never wins (mmcv's fmaxf); the first row holding the maximum is the winner, as in
+        // segment_grad_max_kernel (a -inf row counts)
+        if (x > acc || (arg < 0 && x == acc)) {
+          acc = x;
+          arg = i;
+        }
       } else {
         acc += x;
       }
     }
     if (reduce == kMean) acc = acc / static_cast<float>(max(counts[v], 1));
     out[e] = from_float<T>(acc);
+    if (argmax != nullptr) argmax[e] = arg;
   }
 }
 
@@ -256,6 +269,118 @@ __global__ void __launch_bounds__(kBlock)
       if (reduce == kMean) g = g / static_cast<float>(max(counts[v], 1));
     }
     grad[e] = from_float<T>(g);
+  }
+}
+
+// Elements of T in one 16-byte piece.
+template <typename T>
+constexpr int kPiece = 16 / static_cast<int>(sizeof(T));
+
+// segment_grad_rows_kernel on 16-byte pieces (channels % kPiece<T> == 0, grad_out and grad
+// 16-byte aligned): consecutive threads take consecutive pieces, one point2voxel / counts load
+// per piece; the same float32 arithmetic per element.
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    segment_grad_rows_vec_kernel(const T* __restrict__ grad_out, int n, int channels,
+                                 const int* __restrict__ counts,
+                                 const int* __restrict__ point2voxel, int m, int reduce,
+                                 T* __restrict__ grad) {
+  constexpr int kVec = kPiece<T>;
+  const int pieces = channels / kVec;
+  const int64_t total = static_cast<int64_t>(n) * pieces;
+  if (pieces <= 0) return;
+  RowCol rc(global_thread(), global_threads(), pieces);
+  for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
+    const int i = static_cast<int>(rc.row);
+    const int c0 = rc.col * kVec;
+    const int v = point2voxel[i];
+    float g[kVec];
+    if (static_cast<unsigned>(v) < static_cast<unsigned>(m)) {
+      load_floats<T, kVec>(grad_out + static_cast<int64_t>(v) * channels + c0, g);
+      if (reduce == kMean) {
+        const float d = static_cast<float>(max(counts[v], 1));
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) g[u] = g[u] / d;
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) g[u] = 0.0f;
+    }
+    store_floats<T, kVec>(grad + static_cast<int64_t>(i) * channels + c0, g);
+  }
+}
+
+// Max backward from the forward's argmax [M, C]: grad[i, c] = grad_out[v, c] when argmax[v, c]
+// is i (v = point2voxel[i]), else 0; every element of grad written once (no fill). argmax is
+// only compared, never used as an index. Raw bits are copied, as segment_grad_max_kernel does.
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    segment_grad_argmax_kernel(const T* __restrict__ grad_out, int n, int channels,
+                               const int* __restrict__ point2voxel, const int* __restrict__ argmax,
+                               int m, T* __restrict__ grad) {
+  const int64_t total = static_cast<int64_t>(n) * channels;
+  if (channels <= 0) return;
+  RowCol rc(global_thread(), global_threads(), channels);
+  for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
+    const int i = static_cast<int>(rc.row);
+    const int v = point2voxel[i];
+    T g = from_float<T>(0.0f);
+    if (static_cast<unsigned>(v) < static_cast<unsigned>(m)) {
+      const int64_t at = static_cast<int64_t>(v) * channels + rc.col;
+      if (argmax[at] == i) g = grad_out[at];
+    }
+    grad[e] = g;
+  }
+}
+
+// The same on 16-byte pieces (channels % kPiece<T> == 0; grad_out, argmax, grad 16-byte
+// aligned); grad_out is loaded only when a channel of the piece is won by the row.
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    segment_grad_argmax_vec_kernel(const T* __restrict__ grad_out, int n, int channels,
+                                   const int* __restrict__ point2voxel,
+                                   const int* __restrict__ argmax, int m, T* __restrict__ grad) {
+  constexpr int kVec = kPiece<T>;
+  using V = Vec<T, kVec>;
+  const int pieces = channels / kVec;
+  const int64_t total = static_cast<int64_t>(n) * pieces;
+  if (pieces <= 0) return;
+  RowCol rc(global_thread(), global_threads(), pieces);
+  for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
+    const int i = static_cast<int>(rc.row);
+    const int c0 = rc.col * kVec;
+    const int v = point2voxel[i];
+    V out = V::zero();
+    if (static_cast<unsigned>(v) < static_cast<unsigned>(m)) {
+      const int64_t at = static_cast<int64_t>(v) * channels + c0;
+      const uint32_t row = static_cast<uint32_t>(i);
+      bool hit[kVec];
+      bool any = false;
+#pragma unroll
+      for (int q = 0; q < kVec / 4; ++q) {
+        const uint4 a = reinterpret_cast<const uint4*>(argmax + at)[q];
+        hit[4 * q + 0] = a.x == row;
+        hit[4 * q + 1] = a.y == row;
+        hit[4 * q + 2] = a.z == row;
+        hit[4 * q + 3] = a.w == row;
+      }
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) any = any || hit[u];
+      if (any) {
+        const V g = V::load(grad_out + at);
+#pragma unroll
+        for (int k = 0; k < V::kWords; ++k) {
+          uint32_t keep;
+          if constexpr (V::kPerWord == 1) {
+            keep = hit[k] ? 0xffffffffu : 0u;
+          } else {  // two 16-bit elements per word, element 2k in the low half
+            keep = (hit[2 * k] ? 0x0000ffffu : 0u) | (hit[2 * k + 1] ? 0xffff0000u : 0u);
+          }
+          out.w[k] = g.w[k] & keep;
+        }
+      }
+    }
+    out.store(grad + static_cast<int64_t>(i) * channels + c0);
   }
 }
 
@@ -467,14 +592,27 @@ int reduce_code(int64_t reduce) {
   return static_cast<int>(reduce);
 }
 
+// argmax [M, C] int32 (optional, max only): where given, checked as the forward's winners.
+void check_argmax(const Optional<TensorView>& argmax, const TensorView& feats, const Grouping& g,
+                  int r) {
+  if (!argmax.has_value()) return;
+  if (r != kMax) TVM_FFI_THROW(ValueError) << "argmax is only used with reduce_type 2 (max)";
+  check_input(*argmax, "argmax", feats, kInt32);
+  check_ndim(*argmax, "argmax", 2);
+  check_size(*argmax, "argmax", 0, g.m);
+  check_size(*argmax, "argmax", 1, g.channels);
+}
+
+// argmax (optional, max only) <- the first row of order holding each maximum, -1 when none.
 void reduce_forward(TensorView feats, TensorView order, TensorView starts, TensorView counts,
-                    TensorView out, int64_t reduce, int64_t stream) {
+                    TensorView out, Optional<TensorView> argmax, int64_t reduce, int64_t stream) {
   const Grouping g = check_grouping(feats, "feats", order, starts, counts);
   const int r = reduce_code(reduce);
   check_like(out, "out", feats, "feats");
   check_ndim(out, "out", 2);
   check_size(out, "out", 0, g.m);
   check_size(out, "out", 1, g.channels);
+  check_argmax(argmax, feats, g, r);
   if (out.numel() == 0) return;
   const int device_id = feats.device().device_id;
   DeviceGuard guard(device_id);
@@ -484,14 +622,17 @@ void reduce_forward(TensorView feats, TensorView order, TensorView starts, Tenso
     segment_reduce_kernel<T><<<blocks_for(g.m * g.channels, device_id), kBlock, 0, st>>>(
         data_of<const T>(feats), static_cast<int>(g.n), static_cast<int>(g.channels),
         data_of<const int>(order), static_cast<int>(g.k), data_of<const int>(starts),
-        data_of<const int>(counts), static_cast<int>(g.m), r, data_of<T>(out));
+        data_of<const int>(counts), static_cast<int>(g.m), r, data_of<T>(out),
+        data_of<int>(argmax));
     check_launch("segment_reduce_kernel");
   });
 }
 
+// argmax (optional, max only): the forward's winners; without it the max backward walks the
+// voxels again (a zero fill, then segment_grad_max_kernel).
 void reduce_backward(TensorView grad_out, TensorView feats, TensorView order, TensorView starts,
-                     TensorView counts, TensorView point2voxel, TensorView grad, int64_t reduce,
-                     int64_t stream) {
+                     TensorView counts, TensorView point2voxel, Optional<TensorView> argmax,
+                     TensorView grad, int64_t reduce, int64_t stream) {
   const Grouping g = check_grouping(feats, "feats", order, starts, counts);
   const int r = reduce_code(reduce);
   check_like(grad_out, "grad_out", feats, "feats");
@@ -501,12 +642,41 @@ void reduce_backward(TensorView grad_out, TensorView feats, TensorView order, Te
   check_vector(point2voxel, "point2voxel", feats, kInt32, g.n);
   check_like(grad, "grad", feats, "feats");
   check_same_shape(grad, "grad", feats, "feats");
+  check_argmax(argmax, feats, g, r);
   if (grad.numel() == 0) return;
   const int device_id = feats.device().device_id;
   DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
+  const int ni = static_cast<int>(g.n);
+  const int nc = static_cast<int>(g.channels);
+  const int nm = static_cast<int>(g.m);
   dispatch_float(feats, "feats", [&](auto tag) {
     using T = decltype(tag);
+    // 16-byte pieces: every row starts 16-byte aligned when the base pointers are
+    const bool vec = g.channels % kPiece<T> == 0 && is_aligned(grad_out, 16) &&
+                     is_aligned(grad, 16) && (!argmax.has_value() || is_aligned(*argmax, 16));
+    const int64_t pieces = g.n * (g.channels / kPiece<T>);
+    if (r != kMax && vec) {
+      segment_grad_rows_vec_kernel<T><<<blocks_for(pieces, device_id), kBlock, 0, st>>>(
+          data_of<const T>(grad_out), ni, nc, data_of<const int>(counts),
+          data_of<const int>(point2voxel), nm, r, data_of<T>(grad));
+      check_launch("segment_grad_rows_vec_kernel");
+      return;
+    }
+    if (argmax.has_value()) {
+      if (vec) {
+        segment_grad_argmax_vec_kernel<T><<<blocks_for(pieces, device_id), kBlock, 0, st>>>(
+            data_of<const T>(grad_out), ni, nc, data_of<const int>(point2voxel),
+            data_of<const int>(*argmax), nm, data_of<T>(grad));
+        check_launch("segment_grad_argmax_vec_kernel");
+      } else {
+        segment_grad_argmax_kernel<T><<<blocks_for(g.n * g.channels, device_id), kBlock, 0, st>>>(
+            data_of<const T>(grad_out), ni, nc, data_of<const int>(point2voxel),
+            data_of<const int>(*argmax), nm, data_of<T>(grad));
+        check_launch("segment_grad_argmax_kernel");
+      }
+      return;
+    }
     if (r != kMax) {
       segment_grad_rows_kernel<T><<<blocks_for(g.n * g.channels, device_id), kBlock, 0, st>>>(
           data_of<const T>(grad_out), static_cast<int>(g.n), static_cast<int>(g.channels),

@@ -26,6 +26,7 @@ import torch
 
 from mu_space.ops import _opdef, _voxel
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
+from mu_space.ops._tensor_cache import TensorKeyedCache
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
@@ -368,14 +369,43 @@ def _reduce_supports(c: _opdef.Checked) -> str | None:
     return None
 
 
+class _SavedArgmax(TensorKeyedCache):
+    """The max winners (int32 [M, C]: the first row holding each maximum, -1 where none) each
+    native max forward wrote for feats that need a gradient, by the identity and version of
+    (feats, order, starts, counts, point2voxel): the backward then writes every gradient element
+    once from them instead of a zero fill plus a walk of every voxel's rows (20.3 + 77.9 us at
+    C = 64 on the H200, 2026-12-01). An entry dies with its tensors (autograd holds them until
+    the backward has run); a miss only means the walk."""
+
+    MAX_ENTRIES = 8
+
+    def put(self, tensors, argmax) -> None:
+        self.store(tuple(tensors), None, argmax)
+
+    def get(self, tensors):
+        return self.lookup(tuple(tensors), None)
+
+
+SAVED_ARGMAX = _SavedArgmax()
+
+
 def _reduce_native(c, feats, order, starts, counts, point2voxel, reduce_type):
     n, C, m, reduce_type = c.info
+    inputs = (feats, order, starts, counts, point2voxel)
     feats, order, starts, counts = (t.contiguous() for t in (feats, order, starts, counts))
     out = _opdef.new_output(feats, (m, C))
+    # the winners for the backward, where one will run (the native backward is deterministic
+    # with or without them: they are kept under deterministic algorithms too)
+    argmax = None
+    if reduce_type == "max" and inputs[0].requires_grad and out.numel():
+        argmax = _opdef.new_output(feats, (m, C), torch.int32)  # written in full
     if out.numel():
         native.function("segment_reduce_forward")(
-            feats, order, starts, counts, out, _REDUCE_CODE[reduce_type], stream_handle(feats)
-        )
+            feats, order, starts, counts, out, argmax, _REDUCE_CODE[reduce_type],
+            stream_handle(feats),
+        )  # fmt: skip
+    if argmax is not None:
+        SAVED_ARGMAX.put(inputs, argmax)
     return out
 
 
@@ -383,6 +413,11 @@ def _reduce_backward_native(
     c, grad_out, feats, order, starts, counts, point2voxel, reduce_type, *, needs, deterministic
 ):
     n, C, m, reduce_type = c.info
+    argmax = (
+        SAVED_ARGMAX.get((feats, order, starts, counts, point2voxel))
+        if reduce_type == "max"
+        else None
+    )
     grad_out = grad_out.to(feats.dtype).contiguous()
     feats, order, starts, counts, point2voxel = (
         t.contiguous() for t in (feats, order, starts, counts, point2voxel)
@@ -396,6 +431,7 @@ def _reduce_backward_native(
             starts,
             counts,
             point2voxel,
+            argmax,
             grad,
             _REDUCE_CODE[reduce_type],
             stream_handle(feats),

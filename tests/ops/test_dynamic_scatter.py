@@ -346,6 +346,142 @@ def test_native_group_handles_huge_coordinates_and_int64():
             assert torch.equal(a.cpu(), b)
 
 
+def _native_grouping(device, duplicate=False):
+    """tiny-voxels rows (dropped rows included; `duplicate`: every point twice, so each voxel
+    holds equal rows) and their grouping on `device`."""
+    pts, coors = _inputs()
+    if duplicate:
+        pts, coors = torch.cat((pts, pts)), torch.cat((coors, coors))
+    g = voxel_group(coors, backend="reference")
+    return pts, coors, tuple(t.to(device) for t in (g.order, g.starts, g.counts, g.point2voxel))
+
+
+def _poisoned(shape, dtype, device, aligned=True):
+    """A NaN-filled [n, C] tensor; aligned=False: a view one element into a larger buffer (not
+    16-byte aligned: the kernels' scalar fallback)."""
+    n, C = shape
+    buf = torch.full((n * C + 1,), float("nan"), dtype=dtype, device=device)
+    return (buf[: n * C] if aligned else buf[1:]).view(n, C)
+
+
+def _native_backward(grad_out, feats, grouping, reduce, argmax=None, aligned=True):
+    from mu_space.runtime import native
+    from mu_space.runtime.device import stream_handle
+
+    grad = _poisoned(feats.shape, feats.dtype, feats.device, aligned)
+    native.function("segment_reduce_backward")(
+        grad_out, feats, *grouping, argmax, grad, ds._REDUCE_CODE[reduce], stream_handle(feats)
+    )
+    return grad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.parametrize("channels", [4, 5, 8, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_native_sum_mean_backward_vectorised_and_fallback(reduce, channels, dtype, aligned):
+    """16-byte pieces (C % 4 == 0 for float32, C % 8 == 0 for 16-bit types, aligned buffers)
+    and the per-element fallback (other C, a grad buffer one element into a larger one) both
+    write every element, bit-identical to the reference (float32 division, one rounding)."""
+    device = native_gpu_device()
+    _, _, grouping = _native_grouping(device)
+    n, m = grouping[3].shape[0], grouping[1].shape[0]
+    gen = torch.Generator().manual_seed(channels)
+    feats = torch.randn(n, channels, generator=gen).to(dtype)
+    grad_out = (torch.randn(m, channels, generator=gen) * 3).to(dtype)
+    got = _native_backward(grad_out.to(device), feats.to(device), grouping, reduce, None, aligned)
+    cpu = tuple(t.cpu() for t in grouping)
+    (want,) = ds.segment_reduce_backward_reference(grad_out, feats, *cpu, reduce)
+    assert got.is_contiguous() and (got.data_ptr() % 16 == 0) == aligned
+    assert torch.equal(got.cpu(), want)
+
+
+def _max_feats(n, channels, dtype, seed):
+    """ReLU'd normals (many zeros: ties inside voxels), NaN in some rows and a few -inf; the
+    n / 2 rows twice (for _native_grouping(duplicate=True): equal rows in every voxel, and
+    channels of a voxel that hold only NaN)."""
+    gen = torch.Generator().manual_seed(seed)
+    feats = torch.relu(torch.randn(n // 2, channels, generator=gen)).round(decimals=1)
+    feats[::7, 0] = float("nan")
+    feats[3::11, channels - 1] = float("nan")
+    feats[5::29, channels // 2] = -float("inf")
+    return torch.cat((feats, feats)).to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels", [4, 5, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_native_max_backward_from_saved_argmax(channels, dtype, aligned):
+    """The forward's argmax (first row holding the maximum, -1 where none, NaN never wins) and
+    the backward from it equal the reference and the fill + walk backward (argmax=None) to the
+    bit, with ties (zeros after ReLU, every point duplicated) and NaN features."""
+    from mu_space.runtime import native
+    from mu_space.runtime.device import stream_handle
+
+    device = native_gpu_device()
+    _, _, grouping = _native_grouping(device, duplicate=True)
+    order, starts, counts, p2v = grouping
+    n, m = p2v.shape[0], starts.shape[0]
+    feats = _max_feats(n, channels, dtype, seed=channels)
+    gen = torch.Generator().manual_seed(7)
+    grad_out = torch.randn(m, channels, generator=gen).to(dtype)
+    f, go = feats.to(device), grad_out.to(device)
+    out = torch.full((m, channels), float("nan"), dtype=dtype, device=device)
+    argmax = torch.full((m, channels), -7, dtype=torch.int32, device=device)
+    native.function("segment_reduce_forward")(
+        f, order, starts, counts, out, argmax, 2, stream_handle(f)
+    )
+    cpu = tuple(t.cpu() for t in grouping)
+    want_out = ds.segment_reduce_reference(feats, *cpu, "max")
+    assert torch.equal(out.cpu(), want_out)
+    _, arg = ds._max_and_arg(feats, ds._masked_voxel(cpu[3], m), m)
+    assert torch.equal(argmax.cpu().long(), torch.where(arg < n, arg, -1))
+    assert (argmax == -1).any() and (arg < n).any()  # channels without a number occur
+    got = _native_backward(go, f, grouping, "max", argmax, aligned)
+    walk = _native_backward(go, f, grouping, "max", None, aligned)
+    (want,) = ds.segment_reduce_backward_reference(grad_out, feats, *cpu, "max")
+    assert torch.equal(got.cpu(), want)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), walk.view(bits))
+    # a forward without argmax gives the same maxima
+    plain = torch.full_like(out, float("nan"))
+    native.function("segment_reduce_forward")(
+        f, order, starts, counts, plain, None, 2, stream_handle(f)
+    )
+    assert torch.equal(plain, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels", [5, 64])
+def test_native_max_backward_takes_the_saved_argmax(channels, monkeypatch):
+    """A native max forward of feats that need a gradient leaves its argmax in SAVED_ARGMAX
+    (none without requires_grad, none for mean), and the backward finds it."""
+    device = native_gpu_device()
+    pts, coors, _ = _native_grouping("cpu", duplicate=True)
+    feats = _max_feats(pts.shape[0], channels, torch.float32, seed=1)
+    dc = coors.to(device)
+    ds.SAVED_ARGMAX.clear()
+    mu_space.dynamic_scatter(feats.to(device), dc, "max", backend="native")
+    mu_space.dynamic_scatter(feats.to(device).requires_grad_(True), dc, "mean", backend="native")
+    assert len(ds.SAVED_ARGMAX._entries) == 0
+    f = feats.to(device).requires_grad_(True)
+    with _opdef.poisoned_outputs():
+        out, _ = mu_space.dynamic_scatter(f, dc, "max", backend="native")
+    assert len(ds.SAVED_ARGMAX._entries) == 1
+    found = []
+    get = ds.SAVED_ARGMAX.get
+    monkeypatch.setattr(ds.SAVED_ARGMAX, "get", lambda t: found.append(get(t)) or found[-1])
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    with _opdef.poisoned_outputs():
+        out.backward(grad.to(device))
+    assert len(found) == 1 and found[0] is not None
+    fr = feats.clone().requires_grad_(True)
+    mu_space.dynamic_scatter(fr, coors, "max", backend="reference")[0].backward(grad)
+    assert torch.equal(f.grad.cpu(), fr.grad)
+
+
 # ---------------------------------------------------------------- the CenterPoint recipe
 
 
