@@ -162,6 +162,9 @@ for key in "${!UNITS[@]}"; do
   fi
 done
 [ ${#objs[@]} -gt 0 ] || { echo "build_mmcv_box3d_peer: nothing compiled"; exit 1; }
+# mmcv 2.x's NMS launchers take (boxes, keep, keep_num, thresh), main's (boxes, mask, n, thresh)
+grep -q "IoU3DNMS3DForwardCUDAKernelLauncher(const Tensor boxes, Tensor& keep" \
+  "$CUDA_SRC/iou3d_cuda.cu" && defs+=("-DPEER_IOU3D_KEEP_API=1")
 # shellcheck disable=SC2086
 g++ -std=c++17 -O2 -fPIC $ABI $TORCH_INC "${defs[@]}" -c scripts/mmcv_box3d_peer.cpp \
   -o "$OUT/obj/binding.o" || exit 1

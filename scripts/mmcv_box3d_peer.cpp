@@ -28,10 +28,17 @@ void PointsInBoxesAllForwardCUDAKernelLauncher(int batch_size, int boxes_num, in
 void IoU3DBoxesOverlapBevForwardCUDAKernelLauncher(const int num_a, const Tensor boxes_a,
                                                    const int num_b, const Tensor boxes_b,
                                                    Tensor ans_overlap);
+#if PEER_IOU3D_KEEP_API  // mmcv 2.x: the launcher gathers the kept boxes on the device
+void IoU3DNMS3DForwardCUDAKernelLauncher(const Tensor boxes, Tensor& keep, Tensor& keep_num,
+                                         float nms_overlap_thresh);
+void IoU3DNMS3DNormalForwardCUDAKernelLauncher(const Tensor boxes, Tensor& keep,
+                                               Tensor& keep_num, float nms_overlap_thresh);
+#else
 void IoU3DNMS3DForwardCUDAKernelLauncher(const Tensor boxes, unsigned long long* mask,
                                          int boxes_num, float nms_overlap_thresh);
 void IoU3DNMS3DNormalForwardCUDAKernelLauncher(const Tensor boxes, unsigned long long* mask,
                                                int boxes_num, float nms_overlap_thresh);
+#endif
 #endif
 #if PEER_HAS_BOX_IOU_ROTATED
 void box_iou_rotated_cuda(const Tensor boxes1, const Tensor boxes2, Tensor ious,
@@ -80,6 +87,20 @@ void boxes_overlap_bev(Tensor a, Tensor b, Tensor out) {
   IoU3DBoxesOverlapBevForwardCUDAKernelLauncher(a.size(0), a, b.size(0), b, out);
 }
 
+#if PEER_IOU3D_KEEP_API
+// mmcv 2.x's iou3d_nms3d(_normal)_forward as its Python wrapper calls it (keep and keep_num on
+// the boxes' device); returns the kept positions (int64, on the device).
+Tensor nms3d_keep(Tensor boxes, double threshold, bool normal) {
+  Tensor keep = at::zeros({boxes.size(0)}, boxes.options().dtype(at::kLong));
+  Tensor keep_num = at::zeros({}, boxes.options().dtype(at::kLong));
+  if (normal) {
+    IoU3DNMS3DNormalForwardCUDAKernelLauncher(boxes, keep, keep_num, static_cast<float>(threshold));
+  } else {
+    IoU3DNMS3DForwardCUDAKernelLauncher(boxes, keep, keep_num, static_cast<float>(threshold));
+  }
+  return keep.slice(0, 0, keep_num.item<int64_t>());
+}
+#else
 // mmcv's iou3d_nms3d(_normal)_forward host flow: mask on the device, copied to the host, the
 // greedy walk over the removed-bits words there; returns the kept positions (int64, CPU).
 Tensor nms3d_keep(Tensor boxes, double threshold, bool normal) {
@@ -103,6 +124,7 @@ Tensor nms3d_keep(Tensor boxes, double threshold, bool normal) {
   }
   return at::tensor(kept, at::TensorOptions().dtype(at::kLong));
 }
+#endif
 #endif
 
 #if PEER_HAS_BOX_IOU_ROTATED

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "build_facts.muh"
@@ -70,23 +71,21 @@ __device__ __forceinline__ uint4 pack16(const uint16_t (&v)[8]) {
   return make_uint4(pair(0), pair(2), pair(4), pair(6));
 }
 
-// A thread per (K cells of one plane row, channel_chunk<W>() channels): blockIdx.z / y walk the
+// A thread per (K cells of one plane row, kChannelChunk channels): blockIdx.z / y walk the
 // samples / channel chunks, x the cell groups, so consecutive threads write consecutive 16-byte
 // pieces of one channel plane. Splitting the channels across threads gives ~C / 8 times the
 // threads of a thread-per-cell loop over all C channels: the KITTI canvas (214k cells, C = 64)
 // then fills the GPU instead of ~3 blocks per multiprocessor. The launcher checks plane % K == 0
 // and the canvas and the cell map 16-byte aligned.
-// The K cells' map entries are K / 4 vector loads; a group with no pillar (most of a canvas:
-// ~95% of KITTI's cells, ~80% of nuScenes') stores zeros without a feature load; with
-// kVectorRows a pillar's chunk is read as 32 / 8-byte loads instead of one load per channel (ncu,
-// H200, 2026-12-01: the scalar version was latency-bound, float16 at 80 registers and 31%
-// achieved occupancy, 7% DRAM).
-// channels per thread: 8 (float32) or 4 (16-bit); a pillar's chunk is 32 / 8 bytes (16-bit
-// chunks of 8 channels held 8 x 16 bytes per thread and spilled: ptxas, sm_90a, 2026-12-01)
-template <typename W>
-constexpr int channel_chunk() {
-  return sizeof(W) == 4 ? 8 : 4;
-}
+// The K cells' map entries are K / 4 vector loads, once per chunk (the map reads are L2 traffic
+// beside the canvas writes, and the kernel is bound by L2 throughput: ncu, H200, 2026-12-01,
+// 70-74 %); a group with no pillar (~95% of KITTI's cells, ~80% of nuScenes') stores zeros
+// without a feature load. With kVectorRows (C % kSubChunk == 0, rows aligned) a pillar's
+// channels are read kSubChunk at a time as one 16-byte (float32) / 8-byte (16-bit) load per cell
+// and transposed in registers; 8 channels at once held 32 words per thread (60 registers for
+// float32, a spill for 16-bit: ptxas, sm_90a).
+constexpr int kChannelChunk = 8;
+constexpr int kSubChunk = 4;
 
 template <typename W, bool kVectorRows>
 __global__ void __launch_bounds__(kBlock)
@@ -95,8 +94,8 @@ __global__ void __launch_bounds__(kBlock)
                          W* __restrict__ canvas) {
   constexpr int K = Vector16<W>::kCells;
   static_assert(K % 4 == 0, "the map entries of a group are whole int4 loads");
+  static_assert(kChannelChunk % kSubChunk == 0, "whole sub-chunks");
   const int64_t groups = plane / K;
-  constexpr int kChannelChunk = channel_chunk<W>();
   const int chunks = (channels + kChannelChunk - 1) / kChannelChunk;
   for (int b = blockIdx.z; b < batch; b += gridDim.z) {
     for (int chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y) {
@@ -124,40 +123,44 @@ __global__ void __launch_bounds__(kBlock)
           continue;
         }
         if constexpr (kVectorRows) {
-          // the chunk of each cell's pillar as 32-bit words (a zero row for an empty cell), then
+          // sub-chunk s of each cell's pillar as 32-bit words (zeros for an empty cell), then
           // channel j's K values from word j (float32) or a half of word j / 2 (16-bit: cells
           // paired into one word, the lower cell in the low half)
-          constexpr int kWords = kChannelChunk * static_cast<int>(sizeof(W)) / 4;  // 8 or 2
-          uint32_t w[K][kWords];
+          constexpr int kWords = kSubChunk * static_cast<int>(sizeof(W)) / 4;  // 4 or 2
+          for (int s0 = c0; s0 < c1; s0 += kSubChunk) {
+            uint32_t w[K][kWords];
 #pragma unroll
-          for (int k = 0; k < K; ++k) {
-            const W* src = feats + static_cast<int64_t>(row[k] >= 0 ? row[k] : 0) * channels + c0;
-            if constexpr (kWords == 8) {
-              const uint4* v = reinterpret_cast<const uint4*>(src);
-              const uint4 a = row[k] >= 0 ? v[0] : make_uint4(0, 0, 0, 0);
-              const uint4 b = row[k] >= 0 ? v[1] : make_uint4(0, 0, 0, 0);
-              const uint32_t x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-              for (int l = 0; l < 8; ++l) w[k][l] = x[l];
-            } else {
-              const uint2 a = row[k] >= 0 ? *reinterpret_cast<const uint2*>(src) : make_uint2(0, 0);
-              w[k][0] = a.x;
-              w[k][1] = a.y;
-            }
-          }
-#pragma unroll
-          for (int j = 0; j < kChannelChunk; ++j, dst += plane) {
-            uint32_t o[4];
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-              if constexpr (sizeof(W) == 4) {
-                o[q4] = w[q4][j];
+            for (int k = 0; k < K; ++k) {
+              const W* src = feats + static_cast<int64_t>(row[k] >= 0 ? row[k] : 0) * channels + s0;
+              if constexpr (kWords == 4) {
+                const uint4 a =
+                    row[k] >= 0 ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+                w[k][0] = a.x;
+                w[k][1] = a.y;
+                w[k][2] = a.z;
+                w[k][3] = a.w;
               } else {
-                const uint32_t lo = w[2 * q4][j / 2], hi = w[2 * q4 + 1][j / 2];
-                o[q4] = j % 2 == 0 ? (lo & 0xffffu) | (hi << 16) : (lo >> 16) | (hi & 0xffff0000u);
+                const uint2 a =
+                    row[k] >= 0 ? *reinterpret_cast<const uint2*>(src) : make_uint2(0, 0);
+                w[k][0] = a.x;
+                w[k][1] = a.y;
               }
             }
-            *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+#pragma unroll
+            for (int j = 0; j < kSubChunk; ++j, dst += plane) {
+              uint32_t o[4];
+#pragma unroll
+              for (int q4 = 0; q4 < 4; ++q4) {
+                if constexpr (sizeof(W) == 4) {
+                  o[q4] = w[q4][j];
+                } else {
+                  const uint32_t lo = w[2 * q4][j / 2], hi = w[2 * q4 + 1][j / 2];
+                  o[q4] =
+                      j % 2 == 0 ? (lo & 0xffffu) | (hi << 16) : (lo >> 16) | (hi & 0xffff0000u);
+                }
+              }
+              *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+            }
           }
         } else {
           for (int c = c0; c < c1; ++c, dst += plane) {
@@ -269,6 +272,16 @@ void fill_map(const TensorView& coors, const Canvas& k, TensorView cell_map, int
   });
 }
 
+// The canvas kernel's vector feature loads (kVectorRows); MUSPACE_PILLAR_VECTOR_ROWS=0 turns
+// them off (one load per channel, as before them): profiling only, read once per process.
+bool vector_rows_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MUSPACE_PILLAR_VECTOR_ROWS");
+    return v == nullptr || std::atoi(v) != 0;
+  }();
+  return on;
+}
+
 void forward(TensorView feats, TensorView coors, TensorView cell_map, TensorView canvas,
              int64_t stream) {
   const Canvas k = check_canvas(feats, "voxel_features", coors, canvas, "canvas", cell_map);
@@ -283,7 +296,6 @@ void forward(TensorView feats, TensorView coors, TensorView cell_map, TensorView
     using W = decltype(word_tag);
     constexpr int K = Vector16<W>::kCells;
     if (plane % K == 0 && is_aligned(canvas, 16) && is_aligned(cell_map, 16)) {
-      constexpr int kChannelChunk = channel_chunk<W>();
       const int chunks = static_cast<int>((k.channels + kChannelChunk - 1) / kChannelChunk);
       const dim3 grid(blocks_for(plane / K, device_id), std::min(chunks, 65535),
                       std::min(k.batch, 65535));
@@ -292,7 +304,8 @@ void forward(TensorView feats, TensorView coors, TensorView cell_map, TensorView
             data_of<const W>(feats), static_cast<int>(k.m), static_cast<int>(k.channels),
             data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
       };
-      if (k.channels % kChannelChunk == 0 && is_aligned(feats, kChannelChunk * sizeof(W))) {
+      if (vector_rows_enabled() && k.channels % kSubChunk == 0 &&
+          is_aligned(feats, kSubChunk * sizeof(W))) {
         vector(std::true_type{});
       } else {
         vector(std::false_type{});

@@ -176,6 +176,32 @@ def test_native_canvas_vectors_and_fallback(ny, nx, offset, channels, feats_offs
 
 
 @pytest.mark.gpu
+def test_native_vector_rows_knob_keeps_results():
+    """MUSPACE_PILLAR_VECTOR_ROWS=0 (profiling: one feature load per channel instead of the
+    vector loads) is read once per process, so it runs in a child process: the KITTI canvas at
+    C = 64 in both dtypes, bit-exact against the reference."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    device = native_gpu_device()
+    code = (
+        "import sys, torch, mu_space\n"
+        "from tests.ops.test_pillar_scatter import _pillars\n"
+        "for dt in (torch.float32, torch.float16):\n"
+        "    f, c, B, shape = _pillars('pointpillars-kitti', 1, 64, dt)\n"
+        "    want = mu_space.pillar_scatter(f, c, B, shape, backend='reference')\n"
+        f"    got = mu_space.pillar_scatter(f.to('{device}'), c.to('{device}'), B, shape,"
+        " backend='native')\n"
+        "    if not torch.equal(got.cpu(), want): sys.exit(1)\n"
+    )
+    env = dict(os.environ, MUSPACE_PILLAR_VECTOR_ROWS="0")
+    root = str(Path(__file__).resolve().parents[2])
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=300)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ny, nx, C", [(46341, 46339, 3), (46340, 46340, 2)])
 def test_native_canvas_beyond_int32_elements(ny, nx, C):
     """Planes of ~INT32_MAX cells (the cell map's limit) and B * C * ny * nx > 2**32 canvas
