@@ -63,3 +63,18 @@ class TensorKeyedCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+class SavedForBackward(TensorKeyedCache):
+    """What a forward computed for its backward (e.g. the max winners), by the forward's input
+    tensors alone: `put(inputs, value)` / `get(inputs)`. Autograd keeps the inputs alive until the
+    backward has run, so an entry lives that long; at most MAX_ENTRIES; a miss only means the
+    backward's slower path."""
+
+    MAX_ENTRIES = 8
+
+    def put(self, tensors, value) -> None:
+        self.store(tuple(tensors), None, value)
+
+    def get(self, tensors):
+        return self.lookup(tuple(tensors), None)

@@ -26,7 +26,7 @@ import torch
 
 from mu_space.ops import _opdef, _voxel
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
-from mu_space.ops._tensor_cache import TensorKeyedCache
+from mu_space.ops._tensor_cache import SavedForBackward
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
@@ -369,24 +369,11 @@ def _reduce_supports(c: _opdef.Checked) -> str | None:
     return None
 
 
-class _SavedArgmax(TensorKeyedCache):
-    """The max winners (int32 [M, C]: the first row holding each maximum, -1 where none) each
-    native max forward wrote for feats that need a gradient, by the identity and version of
-    (feats, order, starts, counts, point2voxel): the backward then writes every gradient element
-    once from them instead of a zero fill plus a walk of every voxel's rows (20.3 + 77.9 us at
-    C = 64 on the H200, 2026-12-01). An entry dies with its tensors (autograd holds them until
-    the backward has run); a miss only means the walk."""
-
-    MAX_ENTRIES = 8
-
-    def put(self, tensors, argmax) -> None:
-        self.store(tuple(tensors), None, argmax)
-
-    def get(self, tensors):
-        return self.lookup(tuple(tensors), None)
-
-
-SAVED_ARGMAX = _SavedArgmax()
+# The max winners (int32 [M, C]: the first row holding each maximum, -1 where none) each native
+# max forward wrote for feats that need a gradient, by (feats, order, starts, counts,
+# point2voxel): the backward then writes every gradient element once from them instead of a zero
+# fill plus a walk of every voxel's rows (20.3 + 77.9 us at C = 64 on the H200, 2026-12-01).
+SAVED_ARGMAX = SavedForBackward()
 
 
 def _reduce_native(c, feats, order, starts, counts, point2voxel, reduce_type):

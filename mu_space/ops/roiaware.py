@@ -23,7 +23,7 @@ from torch import nn
 
 from mu_space.ops import _box3d, _opdef
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
-from mu_space.ops._tensor_cache import TensorKeyedCache
+from mu_space.ops._tensor_cache import SavedForBackward
 from mu_space.runtime import native
 from mu_space.runtime.device import stream_handle
 
@@ -309,24 +309,11 @@ def pool_backward_reference(
     return (grad.view(P, C).to(pts_feature.dtype),)
 
 
-class _SavedArgmax(TensorKeyedCache):
-    """The max-mode winners (int32 [cells, C]) each native pool call wrote for a pts_feature that
-    needs a gradient, by the identity and version of (pts_feature, cell_start, cell_count,
-    point_list): the backward loads them instead of walking every cell's slice again (the walk
-    was 41.9 us of the max backward's 48 us on the H200, 2026-12-01; mmcv saves its argmax
-    likewise). An entry dies with its slice tensors (which autograd holds until the backward
-    has run) and at most MAX_ENTRIES are kept; a miss only means the walk."""
-
-    MAX_ENTRIES = 8
-
-    def put(self, tensors, argmax) -> None:
-        self.store(tuple(tensors), None, argmax)
-
-    def get(self, tensors):
-        return self.lookup(tuple(tensors), None)
-
-
-SAVED_ARGMAX = _SavedArgmax()
+# The max-mode winners (int32 [cells, C]) each native pool call wrote for a pts_feature that
+# needs a gradient, by (pts_feature, cell_start, cell_count, point_list): the backward loads them
+# instead of walking every cell's slice again (the walk was 41.9 us of the max backward's 48 us
+# on the H200, 2026-12-01; mmcv saves its argmax likewise).
+SAVED_ARGMAX = SavedForBackward()
 
 
 def _pool_native(c, pts_feature, cell_start, cell_count, point_list, out_size, mode):

@@ -312,9 +312,9 @@ def test_saved_argmax_entry_lives_with_its_inputs_and_versions():
     drops an entry when its slice tensors are freed."""
     import gc
 
-    from mu_space.ops.roiaware import _SavedArgmax
+    from mu_space.ops._tensor_cache import SavedForBackward
 
-    saved = _SavedArgmax()
+    saved = SavedForBackward()
     inputs = [torch.zeros(3, 2), torch.zeros(4, dtype=torch.long), torch.zeros(4), torch.zeros(5)]
     argmax = torch.zeros(4, 2, dtype=torch.int32)
     saved.put(tuple(inputs), argmax)
