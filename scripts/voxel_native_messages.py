@@ -59,6 +59,20 @@ def collect(path: str) -> dict:
         "voxel_hard_forward",
         [*hard2, np.zeros(2 * rows, i32), np.zeros(3, i64), *grid, P, rows, two, False, 0],
     )
+    wsh = np.zeros(int(lib["voxel_hashed_workspace_ints"](n, 1, rows, 8, 8, 4)), i32)
+    hashed = [points, wsh, np.zeros((rows, P, C), f32), np.zeros((rows, 3), i32)]
+    cases["voxel_hard_forward_hashed"] = _battery(
+        lib,
+        "voxel_hard_forward_hashed",
+        [*hashed, np.zeros(rows, i32), np.zeros(2, i64), *grid, P, rows, one, False, 0],
+    )
+    wsh2 = np.zeros(int(lib["voxel_hashed_workspace_ints"](n, 2, 2 * rows, 8, 8, 4)), i32)
+    hashed2 = [points, wsh2, np.zeros((2 * rows, P, C), f32), np.zeros((2 * rows, 4), i32)]
+    cases["voxel_hard_forward_hashed (batch)"] = _battery(
+        lib,
+        "voxel_hard_forward_hashed",
+        [*hashed2, np.zeros(2 * rows, i32), np.zeros(3, i64), *grid, P, rows, two, False, 0],
+    )
     coors = np.zeros((n, 4), i32)
     wsg = np.zeros(int(lib["voxel_group_workspace_ints"](n)), i32)
     vec = np.zeros(n, i32)

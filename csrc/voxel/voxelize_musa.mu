@@ -45,6 +45,7 @@
 #include "dispatch.muh"
 #include "gpu_compat.muh"
 #include "launch.muh"
+#include "readback.muh"
 #include "scan.muh"
 #include "voxel_grid.muh"
 
@@ -96,22 +97,31 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// Point i's key = sample * cells + ((z * gy) + y) * gx + x; false when the point is dropped.
+template <typename T>
+__device__ __forceinline__ bool point_key(const T* __restrict__ points, int64_t i, int features,
+                                          const Grid& g, const Samples& s, uint32_t cells,
+                                          uint32_t& key) {
+  const T* p = points + i * features;
+  int cx = 0, cy = 0, cz = 0;
+  if (!(axis_cell(coord_value(p[0]), g, 0, cx) && axis_cell(coord_value(p[1]), g, 1, cy) &&
+        axis_cell(coord_value(p[2]), g, 2, cz))) {
+    return false;
+  }
+  const int64_t cell =
+      (static_cast<int64_t>(cz) * g.cells[1] + cy) * g.cells[0] + static_cast<int64_t>(cx);
+  const int64_t k = static_cast<int64_t>(sample_of(s, static_cast<int>(i))) * cells + cell;
+  key = static_cast<uint32_t>(k);  // < samples * cells <= kMaxCells: checked by the launcher
+  return true;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
     keys_kernel(const T* __restrict__ points, int n, int features, Grid g, Samples s,
                 uint32_t cells, uint32_t sentinel, uint32_t* __restrict__ keys) {
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
-    const T* p = points + i * features;
-    int cx = 0, cy = 0, cz = 0;
-    uint32_t key = sentinel;
-    if (axis_cell(coord_value(p[0]), g, 0, cx) && axis_cell(coord_value(p[1]), g, 1, cy) &&
-        axis_cell(coord_value(p[2]), g, 2, cz)) {
-      const int64_t cell =
-          (static_cast<int64_t>(cz) * g.cells[1] + cy) * g.cells[0] + static_cast<int64_t>(cx);
-      const int64_t k = static_cast<int64_t>(sample_of(s, static_cast<int>(i))) * cells + cell;
-      key = static_cast<uint32_t>(k);  // < sentinel <= kMaxCells: checked by the launcher
-    }
-    keys[i] = key;
+    uint32_t key = 0;
+    keys[i] = point_key(points, i, features, g, s, cells, key) ? key : sentinel;
   }
 }
 
@@ -220,6 +230,262 @@ __global__ void __launch_bounds__(kBlock)
     c[0] = z;
     c[1] = y;
     c[2] = x;
+  }
+}
+
+// ---------------------------------------------------------------- hashed grouping (no sort)
+//
+// voxel_hard_forward_hashed: the same outputs as voxel_hard_keys + sort + voxel_hard_forward,
+// without sorting the points (the sort was 40-50 % of that path's device time on the H200,
+// 2026-12-01). Only the order of the atomics below depends on the thread schedule; every value
+// written to the outputs does not:
+//   1. fill             the slot table (key, first, count; 16 bytes a slot) and the cursor with
+//                       -1: one launch
+//   2. insert_kernel    per point its key -> its slot (the cell itself when the batch's cells fit
+//                       the table, else open addressing over a power of two); atomicMin of the
+//                       point index -> the voxel's first point; atomicAdd of the slot's count ->
+//                       the point's position among the slot's points (any order)
+//   3. flags_kernel     flag = point is its voxel's first point; the first points of a block
+//                       take their voxels' stretches of the point list (one atomicAdd on a
+//                       cursor per block)
+//   4. scan(flags)      -> each voxel's rank in first-occurrence order (as in the sort path)
+//   5. samples_kernel   (shared with the sort path); the voxel count is copied to the host here
+//   6. place_kernel     each point into its voxel's stretch; a first point of a kept voxel
+//                       writes its output row's stretch, coordinates and point count
+//   7. emit_hashed_kernel  a warp per output row: the first min(count, max_points) point
+//                       indices of its stretch in ascending order (input order): a stretch of
+//                       at most a warp by each entry's rank (one shuffle per entry), a longer
+//                       one by bitonic sorting of warp-wide chunks merged into the warp-wide
+//                       smallest; the points copied, the rest of the row zeroed.
+// A voxel's points cost ceil(k / warp) * ceil(count / warp) chunk steps (k = min(count,
+// max_points)), which is why max_points is limited to kHashedMaxPointsPerVoxel (the sort path
+// takes larger ones).
+
+constexpr uint32_t kFreeKey = 0xFFFFFFFFu;  // a free slot: larger than every key (< 2^31)
+constexpr int64_t kHashedMaxPointsPerVoxel = 1024;
+MUSPACE_LIMIT(voxelization, hashed_max_points_per_voxel, kHashedMaxPointsPerVoxel);
+constexpr int64_t kHashedMaxPoints = int64_t{1} << 29;  // the hash table's cap <= 2^30
+MUSPACE_LIMIT(voxelization, hashed_max_points, kHashedMaxPoints);
+constexpr unsigned kFullMask = kWarpSize >= 32 ? ~0u : ((1u << kWarpSize) - 1u);
+
+// The slot table: one 16-byte entry per slot, so the insert's probe, compare-and-swap, minimum
+// and count, and the later reads of a slot, touch one sector. key / first / count start as -1
+// (one fill): first as uint32 is then larger than every point index (atomicMin), and a count
+// (and the cursor) holds its value - 1.
+struct Slot {
+  uint32_t key;    // kFreeKey when free (unused when direct)
+  uint32_t first;  // the smallest point index of the slot
+  int count;       // the slot's points - 1
+  int base;        // the slot's first entry in the point list (written by its first point)
+};
+
+struct Table {
+  Slot* slots;    // [cap]
+  int* cursor;    // [1] entries handed out - 1
+  uint32_t mask;  // cap - 1 (a power of two) when hashed
+  int cap;
+  int direct;  // 1: slot = key (cap = samples * cells)
+};
+
+__device__ __forceinline__ uint32_t mix32(uint32_t k) {  // MurmurHash3's 32-bit finaliser
+  k ^= k >> 16;
+  k *= 0x85ebca6bu;
+  k ^= k >> 13;
+  k *= 0xc2b2ae35u;
+  k ^= k >> 16;
+  return k;
+}
+
+// The slot of key, claimed if new; -1 only for a full table (impossible: cap > n >= the keys).
+__device__ __forceinline__ int claim_slot(const Table& t, uint32_t key) {
+  if (t.direct) return static_cast<int>(key);
+  uint32_t slot = mix32(key) & t.mask;
+  for (uint32_t probe = 0; probe <= t.mask; ++probe) {
+    // a claimed slot's key never changes, so a plain read that shows another key is final
+    uint32_t* at = &t.slots[slot].key;
+    const uint32_t seen = *at;
+    if (seen == key) return static_cast<int>(slot);
+    if (seen == kFreeKey) {
+      const uint32_t old = atomicCAS(at, kFreeKey, key);
+      if (old == kFreeKey || old == key) return static_cast<int>(slot);
+    }
+    slot = (slot + 1) & t.mask;
+  }
+  return -1;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    insert_kernel(const T* __restrict__ points, int n, int features, Grid g, Samples s,
+                  uint32_t cells, Table t, int* __restrict__ point_slot,
+                  int* __restrict__ point_pos) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    uint32_t key = 0;
+    int slot = point_key(points, i, features, g, s, cells, key) ? claim_slot(t, key) : -1;
+    if (static_cast<unsigned>(slot) >= static_cast<unsigned>(t.cap)) slot = -1;
+    int pos = 0;
+    if (slot >= 0) {
+      atomicMin(&t.slots[slot].first, static_cast<uint32_t>(i));
+      pos = atomicAdd(&t.slots[slot].count, 1) + 1;
+    }
+    point_slot[i] = slot;
+    point_pos[i] = pos;
+  }
+}
+
+// Block-uniform loop: the first points of a block take their stretches with one atomicAdd on
+// the cursor per block (one per first point serialised on that address: 92 us of 261 at
+// CenterPoint's 119k voxels on the H200, ncu, 2026-12-02).
+__global__ void __launch_bounds__(kBlock)
+    flags_kernel(const int* __restrict__ point_slot, int n, Table t, int* __restrict__ flags) {
+  __shared__ int s[kBlock];
+  __shared__ int block_base;
+  for (int64_t i0 = static_cast<int64_t>(blockIdx.x) * kBlock; i0 < n;
+       i0 += static_cast<int64_t>(gridDim.x) * kBlock) {
+    const int64_t i = i0 + threadIdx.x;
+    const int slot = i < n ? point_slot[i] : -1;
+    const bool first = slot >= 0 && t.slots[slot].first == static_cast<uint32_t>(i);
+    int total = 0;
+    const int offset = scan::block_exclusive_scan(first ? t.slots[slot].count + 1 : 0, s, total);
+    if (threadIdx.x == 0) block_base = atomicAdd(t.cursor, total) + 1;
+    __syncthreads();
+    if (first) t.slots[slot].base = block_base + offset;
+    if (i < n) flags[i] = first ? 1 : 0;
+    __syncthreads();  // block_base is written again in the next round
+  }
+}
+
+// Each point into its voxel's stretch; the first point of a kept voxel also writes its row's
+// stretch (base, count), coordinates (decoded from the key) and point count: a thread per voxel
+// here instead of a lane of the emit's warp (the divisions made the emit instruction bound).
+__global__ void __launch_bounds__(kBlock)
+    place_kernel(const int* __restrict__ point_slot, const int* __restrict__ point_pos, int n,
+                 Table t, Samples s, uint32_t cells, Grid g, const int* __restrict__ rank,
+                 const int* __restrict__ sample_first, const int* __restrict__ sample_base,
+                 int max_voxels, int rows, int max_points, int ncols, int* __restrict__ list,
+                 int2* __restrict__ row_stretch, int* __restrict__ coors, int* __restrict__ num) {
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const int slot = point_slot[i];
+    if (slot < 0) continue;
+    const Slot e = t.slots[slot];
+    const int at = e.base + point_pos[i];
+    if (static_cast<unsigned>(at) < static_cast<unsigned>(n)) list[at] = static_cast<int>(i);
+    if (e.first != static_cast<uint32_t>(i)) continue;
+    const int b = sample_of(s, static_cast<int>(i));
+    const int local = rank[i] - sample_first[b];
+    if (local < 0 || local >= max_voxels) continue;  // beyond max_voxels: dropped
+    const int row = sample_base[b] + local;
+    if (static_cast<unsigned>(row) >= static_cast<unsigned>(rows)) continue;
+    const int cnt = e.count + 1;
+    row_stretch[row] = make_int2(e.base, cnt);
+    num[row] = min(cnt, max_points);
+    const uint32_t key = t.direct ? static_cast<uint32_t>(slot) : e.key;
+    const int cell = static_cast<int>(key - static_cast<uint32_t>(b) * cells);
+    int* c = coors + static_cast<int64_t>(row) * ncols;
+    if (ncols == 4) *c++ = b;
+    c[0] = cell / (g.cells[0] * g.cells[1]);
+    c[1] = (cell / g.cells[0]) % g.cells[1];
+    c[2] = cell % g.cells[0];
+  }
+}
+
+// Bitonic sort of one value per lane across the warp, ascending with the lane.
+__device__ __forceinline__ int warp_sort_ascending(int v, int lane) {
+#pragma unroll
+  for (int size = 2; size <= kWarpSize; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      const int other = __shfl_xor_sync(kFullMask, v, stride, kWarpSize);
+      const bool low = (lane & stride) == 0;
+      const bool ascending = (lane & size) == 0;
+      v = low == ascending ? min(v, other) : max(v, other);
+    }
+  }
+  return v;
+}
+
+// Lane t: the t-th smallest entry of list[0, cnt) greater than `after` (INT_MAX past the end).
+// Entries are distinct. Warp-uniform arguments.
+__device__ __forceinline__ int warp_smallest_after(const int* __restrict__ list, int cnt, int after,
+                                                   int lane) {
+  int best = INT_MAX;
+  for (int c = 0; c < cnt; c += kWarpSize) {
+    int v = c + lane < cnt ? list[c + lane] : INT_MAX;
+    if (v <= after) v = INT_MAX;
+    v = warp_sort_ascending(v, lane);
+    // best ascending, v reversed descending: their lane-wise minimum is bitonic and holds the
+    // warp-wide smallest of both; a bitonic merge sorts it
+    best = min(best, __shfl_sync(kFullMask, v, kWarpSize - 1 - lane, kWarpSize));
+#pragma unroll
+    for (int stride = kWarpSize >> 1; stride > 0; stride >>= 1) {
+      const int other = __shfl_xor_sync(kFullMask, best, stride, kWarpSize);
+      best = (lane & stride) == 0 ? min(best, other) : max(best, other);
+    }
+  }
+  return best;
+}
+
+// W: the raw element word (uint32_t for float32, uint16_t for 16-bit dtypes).
+template <typename W>
+__global__ void __launch_bounds__(kBlock)
+    emit_hashed_kernel(const W* __restrict__ points, int features, const int* __restrict__ list,
+                       int n, const int2* __restrict__ row_stretch,
+                       const int64_t* __restrict__ counts, int rows, int max_points, int padded,
+                       int ncols, W* __restrict__ voxels, int* __restrict__ coors,
+                       int* __restrict__ num) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t warps = global_threads() / kWarpSize;
+  const int64_t m = counts[0];
+  const int64_t row_words = static_cast<int64_t>(max_points) * features;
+  const RowCol lane_slot(lane, kWarpSize, features);                     // one division per thread
+  for (int64_t r = global_thread() / kWarpSize; r < rows; r += warps) {  // warp-uniform
+    W* dst = voxels + r * row_words;
+    int* c = coors + r * ncols;
+    if (r >= m) {
+      if (!padded) continue;
+      for (int64_t w = lane; w < row_words; w += kWarpSize) dst[w] = W(0);
+      if (lane < ncols) c[lane] = -1;
+      if (lane == 0) num[r] = 0;
+      continue;
+    }
+    const int2 stretch_at = row_stretch[r];  // (base, count), from place_kernel
+    const int base = stretch_at.x;
+    int cnt = stretch_at.y;
+    if (cnt < 0 || base < 0 || base > n - cnt) cnt = 0;  // never from the kernels above
+    const int k = min(cnt, max_points);
+    const int* stretch = list + base;
+    if (cnt <= kWarpSize) {
+      // one entry per lane; its rank among the stretch (entries are distinct) is its slot. The
+      // common case (CenterPoint: 2.8 points per voxel on average): cnt shuffles instead of the
+      // networks below
+      const int v = lane < cnt ? stretch[lane] : INT_MAX;
+      int rank = 0;
+      for (int j = 0; j < cnt; ++j) rank += __shfl_sync(kFullMask, v, j, kWarpSize) < v ? 1 : 0;
+      if (lane < cnt && rank < k && static_cast<unsigned>(v) < static_cast<unsigned>(n)) {
+        const W* src = points + static_cast<int64_t>(v) * features;
+        W* out = dst + static_cast<int64_t>(rank) * features;
+        for (int f = 0; f < features; ++f) out[f] = src[f];
+      }
+    }
+    int after = -1;
+    for (int lo = 0; cnt > kWarpSize && lo < k; lo += kWarpSize) {
+      const int best = warp_smallest_after(stretch, cnt, after, lane);
+      const int64_t words = static_cast<int64_t>(min(k - lo, kWarpSize)) * features;
+      W* out = dst + static_cast<int64_t>(lo) * features;
+      RowCol sf = lane_slot;  // (slot in the chunk, feature) of word w
+      for (int64_t w0 = 0; w0 < words; w0 += kWarpSize, sf.next()) {  // warp-uniform: shuffle
+        const int64_t w = w0 + lane;
+        const int p =
+            __shfl_sync(kFullMask, best, w < words ? static_cast<int>(sf.row) : 0, kWarpSize);
+        if (w < words && static_cast<unsigned>(p) < static_cast<unsigned>(n)) {
+          out[w] = points[static_cast<int64_t>(p) * features + sf.col];
+        }
+      }
+      after = __shfl_sync(kFullMask, best, kWarpSize - 1, kWarpSize);
+    }
+    for (int64_t w = static_cast<int64_t>(k) * features + lane; w < row_words; w += kWarpSize) {
+      dst[w] = W(0);
+    }
   }
 }
 
@@ -399,19 +665,13 @@ void hard_keys(TensorView points, TensorView keys, float vx, float vy, float vz,
   });
 }
 
-// sorted_keys [N] int32 / perm [N] int64: voxel_hard_keys' keys stably sorted (position p holds
-// point perm[p]; an entry outside [0, N) is skipped).
-void hard_forward(TensorView points, TensorView sorted_keys, TensorView perm, TensorView workspace,
-                  TensorView voxels, TensorView coors, TensorView num_points, TensorView counts,
-                  float vx, float vy, float vz, float x0, float y0, float z0, int64_t gx,
-                  int64_t gy, int64_t gz, int64_t max_points, int64_t max_voxels,
-                  Shape sample_offsets, bool padded, int64_t stream) {
-  const int64_t n = check_points_tensor(points);
+// The checks the hard entry points share: max_points / max_voxels, the outputs against points
+// and the samples. Returns the output rows; ncols gets coors' columns.
+int64_t check_hard_outputs(const TensorView& points, const Samples& s, int64_t gx, int64_t gy,
+                           int64_t gz, int64_t max_points, int64_t max_voxels, bool padded,
+                           const TensorView& voxels, const TensorView& coors,
+                           const TensorView& num_points, const TensorView& counts, int& ncols) {
   const int64_t features = points.size(1);
-  const Grid g = make_grid(vx, vy, vz, x0, y0, z0, gx, gy, gz);
-  const Samples s = make_samples(sample_offsets, n);
-  check_vector(sorted_keys, "sorted_keys", points, kInt32, n);
-  check_vector(perm, "perm", points, kInt64, n);
   if (max_points < 0 || max_points > kMaxPointsPerVoxel) {
     TVM_FFI_THROW(ValueError) << "max_points must be in [0, " << kMaxPointsPerVoxel << "], got "
                               << max_points;
@@ -422,7 +682,7 @@ void hard_forward(TensorView points, TensorView sorted_keys, TensorView perm, Te
   if (padded && s.count != 1) {
     TVM_FFI_THROW(ValueError) << "the padded mode takes one sample, got " << s.count;
   }
-  const int64_t cells = checked_cells(gx, gy, gz, s);
+  checked_cells(gx, gy, gz, s);
   check_like(voxels, "voxels", points, "points");
   check_ndim(voxels, "voxels", 3);
   const int64_t rows = voxels.size(0);
@@ -433,7 +693,7 @@ void hard_forward(TensorView points, TensorView sorted_keys, TensorView perm, Te
   check_input(coors, "coors", points, kInt32);
   check_ndim(coors, "coors", 2);
   check_size(coors, "coors", 0, rows);
-  const int ncols = static_cast<int>(coors.size(1));
+  ncols = static_cast<int>(coors.size(1));
   if (ncols != 3 && ncols != 4) {
     TVM_FFI_THROW(ValueError) << "coors must be [rows, 3] (z, y, x) or [rows, 4] (sample, z, y, "
                               << "x), got " << ncols << " columns";
@@ -451,6 +711,26 @@ void hard_forward(TensorView points, TensorView sorted_keys, TensorView perm, Te
   }
   check_vector(num_points, "num_points", points, kInt32, rows);
   check_vector(counts, "counts", points, kInt64, s.count + 1);
+  return rows;
+}
+
+// sorted_keys [N] int32 / perm [N] int64: voxel_hard_keys' keys stably sorted (position p holds
+// point perm[p]; an entry outside [0, N) is skipped).
+void hard_forward(TensorView points, TensorView sorted_keys, TensorView perm, TensorView workspace,
+                  TensorView voxels, TensorView coors, TensorView num_points, TensorView counts,
+                  float vx, float vy, float vz, float x0, float y0, float z0, int64_t gx,
+                  int64_t gy, int64_t gz, int64_t max_points, int64_t max_voxels,
+                  Shape sample_offsets, bool padded, int64_t stream) {
+  const int64_t n = check_points_tensor(points);
+  const int64_t features = points.size(1);
+  const Grid g = make_grid(vx, vy, vz, x0, y0, z0, gx, gy, gz);
+  const Samples s = make_samples(sample_offsets, n);
+  check_vector(sorted_keys, "sorted_keys", points, kInt32, n);
+  check_vector(perm, "perm", points, kInt64, n);
+  int ncols = 3;
+  const int64_t rows = check_hard_outputs(points, s, gx, gy, gz, max_points, max_voxels, padded,
+                                          voxels, coors, num_points, counts, ncols);
+  const int64_t cells = checked_cells(gx, gy, gz, s);
   const HardLayout l = hard_layout(n, rows);
   check_input(workspace, "workspace", points, kInt32);
   check_ndim(workspace, "workspace", 1);
@@ -506,6 +786,158 @@ void hard_forward(TensorView points, TensorView sorted_keys, TensorView perm, Te
   }
 }
 
+// The workspace of voxel_hard_forward_hashed, in int32 units (every region 16-byte aligned);
+// [fill_at, fill_at + fill_ints) is the table part that starts as -1.
+struct HashedLayout {
+  int64_t cap;
+  bool direct;
+  int64_t slots, cursor, point_slot, point_pos, flags, sums, total, sample_first, sample_base,
+      row_stretch, list, ints, fill_at, fill_ints;
+};
+
+// total_cells = samples * cells. The table: the cells themselves when they fit the hash table's
+// capacity (no probing), else a power of two >= 1.5 n (at most 2/3 full).
+HashedLayout hashed_layout(int64_t n, int64_t rows, int64_t total_cells) {
+  int64_t hash_cap = 2;
+  while (hash_cap < n + n / 2) hash_cap <<= 1;
+  HashedLayout l;
+  l.direct = total_cells <= hash_cap;
+  l.cap = l.direct ? total_cells : hash_cap;
+  int64_t off = 0;
+  auto take = [&](int64_t k) {
+    const int64_t at = off;
+    off += round4(std::max<int64_t>(k, 1));
+    return at;
+  };
+  static_assert(sizeof(Slot) == 16, "a slot is 4 int32");
+  l.slots = take(4 * l.cap);
+  l.cursor = take(1);
+  l.fill_at = l.slots;
+  l.fill_ints = off - l.slots;
+  l.point_slot = take(n);
+  l.point_pos = take(n);
+  l.flags = take(n);
+  l.sums = take(scan_tiles(n) + 1);
+  l.total = take(1);
+  l.sample_first = take(kMaxSamples);
+  l.sample_base = take(kMaxSamples + 1);
+  l.row_stretch = take(2 * rows);
+  l.list = take(n);
+  l.ints = off;
+  return l;
+}
+
+int64_t hashed_workspace_ints(int64_t n, int64_t n_samples, int64_t rows, int64_t gx, int64_t gy,
+                              int64_t gz) {
+  if (n < 0 || rows < 0 || n_samples < 1 || n_samples > kMaxSamples || gx < 1 || gy < 1 || gz < 1) {
+    TVM_FFI_THROW(ValueError) << "voxel_hashed_workspace_ints: n = " << n
+                              << ", n_samples = " << n_samples << ", rows = " << rows << ", grid "
+                              << gx << "*" << gy << "*" << gz << " out of range";
+  }
+  Samples s;
+  s.count = static_cast<int>(n_samples);
+  return hashed_layout(n, rows, checked_cells(gx, gy, gz, s) * n_samples).ints;
+}
+
+// The hard voxelization without a sort (the kernels above "hashed grouping"): the outputs of
+// voxel_hard_keys + the stable sort + voxel_hard_forward, bit for bit, for max_points <=
+// kHashedMaxPointsPerVoxel. Returns the voxel count (counts[0]) read back to the host, or -1 in
+// the padded mode (no host synchronisation): the count is copied right after samples_kernel, so
+// the host waits for it while place_kernel and the emit still run (readback.muh).
+int64_t hard_forward_hashed(TensorView points, TensorView workspace, TensorView voxels,
+                            TensorView coors, TensorView num_points, TensorView counts, float vx,
+                            float vy, float vz, float x0, float y0, float z0, int64_t gx,
+                            int64_t gy, int64_t gz, int64_t max_points, int64_t max_voxels,
+                            Shape sample_offsets, bool padded, int64_t stream) {
+  const int64_t n = check_points_tensor(points);
+  const int64_t features = points.size(1);
+  const Grid g = make_grid(vx, vy, vz, x0, y0, z0, gx, gy, gz);
+  const Samples s = make_samples(sample_offsets, n);
+  if (n > kHashedMaxPoints) {
+    TVM_FFI_THROW(ValueError) << "points has " << n << " rows; at most " << kHashedMaxPoints
+                              << " here (voxel_hard_forward takes more)";
+  }
+  if (max_points > kHashedMaxPointsPerVoxel) {
+    TVM_FFI_THROW(ValueError) << "max_points must be at most " << kHashedMaxPointsPerVoxel
+                              << " here (voxel_hard_forward takes larger ones), got " << max_points;
+  }
+  int ncols = 3;
+  const int64_t rows = check_hard_outputs(points, s, gx, gy, gz, max_points, max_voxels, padded,
+                                          voxels, coors, num_points, counts, ncols);
+  const int64_t cells = checked_cells(gx, gy, gz, s);
+  const HashedLayout l = hashed_layout(n, rows, cells * s.count);
+  check_input(workspace, "workspace", points, kInt32);
+  check_ndim(workspace, "workspace", 1);
+  if (workspace.size(0) < l.ints) {
+    TVM_FFI_THROW(ValueError) << "workspace must hold " << l.ints << " int32 (from "
+                              << "voxel_hashed_workspace_ints), got " << workspace.size(0);
+  }
+  check_aligned(workspace, "workspace", 16);
+
+  const int device_id = points.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  int* ws = data_of<int>(workspace);
+  int64_t* counts_p = data_of<int64_t>(counts);
+  const uint32_t ucells = static_cast<uint32_t>(cells);
+  const int ni = static_cast<int>(n);
+  const int rows_i = static_cast<int>(rows);
+  const int P = static_cast<int>(max_points);
+  Table t;
+  t.slots = reinterpret_cast<Slot*>(ws + l.slots);
+  t.cursor = ws + l.cursor;
+  t.cap = static_cast<int>(l.cap);  // <= max(samples * cells, 2^30): both fit int
+  t.mask = static_cast<uint32_t>(l.cap - 1);
+  t.direct = l.direct ? 1 : 0;
+  int* point_slot = ws + l.point_slot;
+  int* point_pos = ws + l.point_pos;
+  int* rank = ws + l.flags;
+  int2* row_stretch = reinterpret_cast<int2*>(ws + l.row_stretch);
+  Readback read;
+  if (n == 0) {
+    launch_zero(counts_p, (s.count + 1) * 8, device_id, st, "voxel fill (counts)");
+    if (!padded) read = start_readback(counts_p, 1, device_id, st);
+  } else {
+    launch_fill(ws + l.fill_at, l.fill_ints * 4, 0xFFFFFFFFu, device_id, st,
+                "voxel fill (slot table)");
+    dispatch_float<Bf16::kBits>(points, "points", [&](auto tag) {
+      using T = decltype(tag);
+      insert_kernel<T><<<blocks_for(n, device_id), kBlock, 0, st>>>(
+          data_of<const T>(points), ni, static_cast<int>(features), g, s, ucells, t, point_slot,
+          point_pos);
+      check_launch("voxel insert_kernel");
+    });
+    flags_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(point_slot, ni, t, rank);
+    check_launch("voxel flags_kernel");
+    exclusive_scan(rank, rank, n, ws + l.sums, ws + l.total, st, "voxel first scan");
+    samples_kernel<<<1, 1, 0, st>>>(rank, ws + l.total, ni, s, static_cast<int>(max_voxels),
+                                    ws + l.sample_first, ws + l.sample_base, counts_p);
+    check_launch("voxel samples_kernel");
+    if (!padded) read = start_readback(counts_p, 1, device_id, st);
+    place_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
+        point_slot, point_pos, ni, t, s, ucells, g, rank, ws + l.sample_first, ws + l.sample_base,
+        static_cast<int>(max_voxels), rows_i, P, ncols, ws + l.list, row_stretch,
+        data_of<int>(coors), data_of<int>(num_points));
+    check_launch("voxel place_kernel");
+  }
+  if (rows > 0 && max_points > 0 && (n > 0 || padded)) {
+    auto emit = [&](auto word_tag) {
+      using W = decltype(word_tag);
+      emit_hashed_kernel<W><<<blocks_for(rows * kWarpSize, device_id), kBlock, 0, st>>>(
+          data_of<const W>(points), static_cast<int>(features), ws + l.list, ni, row_stretch,
+          counts_p, rows_i, P, padded ? 1 : 0, ncols, data_of<W>(voxels), data_of<int>(coors),
+          data_of<int>(num_points));
+      check_launch("voxel emit_hashed_kernel");
+    };
+    if (element_bytes(points) == 4) {
+      emit(uint32_t{});
+    } else {
+      emit(uint16_t{});
+    }
+  }
+  return padded ? -1 : finish_readback(read)[0];
+}
+
 }  // namespace
 }  // namespace voxel
 }  // namespace muspace
@@ -514,3 +946,5 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_dynamic_forward, muspace::voxel::dynamic_for
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_hard_keys, muspace::voxel::hard_keys);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_hard_forward, muspace::voxel::hard_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_hard_workspace_ints, muspace::voxel::hard_workspace_ints);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_hard_forward_hashed, muspace::voxel::hard_forward_hashed);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_hashed_workspace_ints, muspace::voxel::hashed_workspace_ints);

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import os
 import struct
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -452,10 +453,34 @@ def native_shape(values):
     return tvm_ffi.Shape(tuple(int(v) for v in values))
 
 
+# The grouping of the native hard voxelization: "hashed" (voxel_hard_forward_hashed: a slot table
+# and a warp-wide selection per voxel, no sort of the points) or "sort" (voxel_hard_keys, the
+# platform's stable sort, voxel_hard_forward). Both give the same bits. "sort" is also what
+# max_points above the hashed kernels' limit takes. MUSPACE_VOXEL_GROUPING=sort selects it for
+# a process (benchmarks); the tests set the attribute.
+GROUPING = os.environ.get("MUSPACE_VOXEL_GROUPING", "hashed")
+HARD_ENTRY_POINTS = (
+    "voxel_hard_forward_hashed",
+    "voxel_hashed_workspace_ints",
+    "voxel_hard_keys",
+    "voxel_hard_forward",
+    "voxel_hard_workspace_ints",
+)
+
+
+def uses_hashed_grouping(n: int, P: int) -> bool:
+    return (
+        GROUPING != "sort"
+        and P <= native.limit("voxelization.hashed_max_points_per_voxel")
+        and n <= native.limit("voxelization.hashed_max_points")
+    )
+
+
 def run_hard_native(points, grid, P, V, sizes, *, padded: bool, rows: int):
     """The native hard voxelization of `points` (samples of `sizes` points, or one cloud when
-    sizes is None): outputs with `rows` rows and the int64 counts [n_samples + 1] (the total,
-    then the voxels of each sample), still on the device."""
+    sizes is None): outputs with `rows` rows, the int64 counts [n_samples + 1] (the total, then
+    the voxels of each sample) on the device, and the total as an int (the one host
+    synchronisation), None in the padded mode (no synchronisation)."""
     points = points.contiguous()
     n, C = points.shape
     n_samples = 1 if sizes is None else len(sizes)
@@ -465,11 +490,37 @@ def run_hard_native(points, grid, P, V, sizes, *, padded: bool, rows: int):
     coors = _opdef.new_output(points, (rows, ncols), torch.int32)
     num = _opdef.new_output(points, (rows,), torch.int32)
     counts = _opdef.new_output(points, (n_samples + 1,), torch.int64)
-    ints = int(native.function("voxel_hard_workspace_ints")(n, n_samples, rows))
-    workspace = torch.empty(ints, dtype=torch.int32, device=points.device)
     (vx, vy, vz), (x0, y0, z0), (gx, gy, gz) = grid
     st = stream_handle(points)
     sample_offsets = native_shape(offsets)
+    if uses_hashed_grouping(n, P):
+        ints = int(native.function("voxel_hashed_workspace_ints")(n, n_samples, rows, gx, gy, gz))
+        workspace = torch.empty(ints, dtype=torch.int32, device=points.device)
+        total = native.function("voxel_hard_forward_hashed")(
+            points,
+            workspace,
+            voxels,
+            coors,
+            num,
+            counts,
+            vx,
+            vy,
+            vz,
+            x0,
+            y0,
+            z0,
+            gx,
+            gy,
+            gz,
+            P,
+            V,
+            sample_offsets,
+            padded,
+            st,
+        )
+        return voxels, coors, num, counts, None if padded else int(total)
+    ints = int(native.function("voxel_hard_workspace_ints")(n, n_samples, rows))
+    workspace = torch.empty(ints, dtype=torch.int32, device=points.device)
     keys = torch.empty(n, dtype=torch.int32, device=points.device)
     native.function("voxel_hard_keys")(
         points, keys, vx, vy, vz, x0, y0, z0, gx, gy, gz, sample_offsets, st
@@ -502,7 +553,7 @@ def run_hard_native(points, grid, P, V, sizes, *, padded: bool, rows: int):
         padded,
         st,
     )
-    return voxels, coors, num, counts
+    return voxels, coors, num, counts, None if padded else int(counts[0])
 
 
 def run_dynamic_native(points, grid, sizes, coors) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from mu_space.ops import _opdef, _voxel
 
-ENTRY_POINTS = ("voxel_hard_keys", "voxel_hard_forward", "voxel_hard_workspace_ints")
+ENTRY_POINTS = _voxel.HARD_ENTRY_POINTS
 
 
 def _check(points, voxel_size, coors_range, max_points, max_voxels, deterministic):
@@ -49,10 +49,9 @@ def _forward_native(c, points, voxel_size, coors_range, max_points, max_voxels, 
     rows = min(n, V)
     if rows == 0 or P == 0:
         return voxelization_reference(points, voxel_size, coors_range, P, V, deterministic)
-    voxels, coors, num, counts = _voxel.run_hard_native(
+    voxels, coors, num, _, m = _voxel.run_hard_native(  # m: the one host synchronisation
         points, grid, P, V, None, padded=False, rows=rows
     )
-    m = int(counts[0])  # the one host synchronisation: the number of voxels
     # shrink in place (metadata only: the first m rows stay where they are)
     return voxels.resize_(m, P, C), coors.resize_(m, 3), num.resize_(m)
 

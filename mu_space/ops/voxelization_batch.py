@@ -80,10 +80,9 @@ def _forward_native(
         return voxelization_batch_reference(
             points, sample_sizes, voxel_size, coors_range, P, V, deterministic
         )
-    voxels, coors, num, counts = _voxel.run_hard_native(
+    voxels, coors, num, _, m = _voxel.run_hard_native(  # m: the one host synchronisation
         points, grid, P, V, sizes, padded=False, rows=rows
     )
-    m = int(counts[0])  # the one host synchronisation: the number of voxels
     return voxels.resize_(m, P, C), coors.resize_(m, 4), num.resize_(m)
 
 
@@ -131,7 +130,7 @@ OP = _opdef.define(
         fake=_fake,
         supports=_supports,
         native_dtypes=_voxel.NATIVE_POINT_DTYPES,
-        entry_points=("voxel_hard_keys", "voxel_hard_forward", "voxel_hard_workspace_ints"),
+        entry_points=_voxel.HARD_ENTRY_POINTS,
         samples=_samples,
         upstream="mmdet3d `Det3DDataPreprocessor.voxelize` (hard), mmcv `Voxelization` per sample",
         models="PointPillars, SECOND, CenterPoint (voxel)",

@@ -48,7 +48,7 @@ def _forward_native(c, points, voxel_size, coors_range, max_points, max_voxels):
     grid, P, V, n, C = c.info
     if V == 0 or P == 0 or n == 0:
         return voxelization_padded_reference(points, voxel_size, coors_range, P, V)
-    voxels, coors, num, counts = _voxel.run_hard_native(
+    voxels, coors, num, counts, _ = _voxel.run_hard_native(
         points, grid, P, V, None, padded=True, rows=V
     )
     return voxels, coors, num, counts.resize_(())  # counts[0]: the total, kept on the device
@@ -77,7 +77,7 @@ OP = _opdef.define(
         native=_forward_native,
         supports=_supports,
         native_dtypes=_voxel.NATIVE_POINT_DTYPES,
-        entry_points=("voxel_hard_keys", "voxel_hard_forward", "voxel_hard_workspace_ints"),
+        entry_points=_voxel.HARD_ENTRY_POINTS,
         samples=_samples,
         upstream="mmcv `hard_voxelize_forward` (pre-allocated outputs + voxel_num)",
         models="PointPillars, SECOND, CenterPoint: CUDA-graph captured inference",

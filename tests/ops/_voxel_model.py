@@ -127,6 +127,185 @@ def hard_voxelize(points, grid, P, V, sizes, *, padded_rows=None):
     return voxels, coors, num, torch.tensor(m)
 
 
+# ------------------------------------------------------- the hashed grouping (no sort)
+
+
+def mix32(k: np.ndarray) -> np.ndarray:
+    """MurmurHash3's fmix32 (claim_slot's hash), in uint32 arithmetic."""
+    k = k.astype(np.uint64) & 0xFFFFFFFF
+    k ^= k >> 16
+    k = (k * 0x85EBCA6B) & 0xFFFFFFFF
+    k ^= k >> 13
+    k = (k * 0xC2B2AE35) & 0xFFFFFFFF
+    k ^= k >> 16
+    return k
+
+
+def warp_sort_ascending(v: np.ndarray) -> np.ndarray:
+    """warp_sort_ascending: the bitonic network over the lanes of one warp (len(v) lanes), each
+    step's __shfl_xor_sync a partner read."""
+    v = v.copy()
+    W = v.size
+    lane = np.arange(W)
+    size = 2
+    while size <= W:
+        stride = size // 2
+        while stride > 0:
+            other = v[lane ^ stride]
+            low = (lane & stride) == 0
+            ascending = (lane & size) == 0
+            v = np.where(low == ascending, np.minimum(v, other), np.maximum(v, other))
+            stride //= 2
+        size *= 2
+    return v
+
+
+def warp_smallest_after(stretch: np.ndarray, after: int, W: int) -> np.ndarray:
+    """warp_smallest_after: lane t holds the t-th smallest entry > after (INT_MAX past the
+    end), by sorting W-entry chunks and merging each into the running W smallest."""
+    lane = np.arange(W)
+    best = np.full(W, INT_MAX, dtype=np.int64)
+    for c in range(0, stretch.size, W):
+        v = np.full(W, INT_MAX, dtype=np.int64)
+        chunk = stretch[c : c + W]
+        v[: chunk.size] = chunk
+        v[v <= after] = INT_MAX
+        v = warp_sort_ascending(v)
+        best = np.minimum(best, v[W - 1 - lane])
+        stride = W // 2
+        while stride > 0:
+            other = best[lane ^ stride]
+            best = np.where((lane & stride) == 0, np.minimum(best, other), np.maximum(best, other))
+            stride //= 2
+    return best
+
+
+INT_MAX = 2**31 - 1
+
+
+def hard_voxelize_hashed(
+    points, grid, P, V, sizes, *, padded_rows=None, warp=32, seed=0, force_hash=False
+):
+    """(voxels, coors, num, count) as voxel_hard_forward_hashed writes them. The atomics of
+    insert_kernel and flags_kernel run in a random order of the points (`seed`): what the
+    thread schedule may change (slot claims, positions in a stretch, the stretches' places) is
+    drawn at random; the outputs must not depend on it. `force_hash`: the open-addressing table
+    even where the cells would fit the direct one; `warp`: the lanes of the selection."""
+    rng = np.random.default_rng(seed)
+    pts = points.detach().cpu().float().numpy()
+    raw = points.detach().cpu()
+    n, C = pts.shape
+    ncols = 3 if sizes is None else 4
+    sizes = list(sizes) if sizes is not None else [n]
+    off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    B = len(sizes)
+    gx, gy, gz = grid.cells
+    cells = gx * gy * gz
+    # hashed_layout
+    hash_cap = 2
+    while hash_cap < n + n // 2:
+        hash_cap <<= 1
+    direct = B * cells <= hash_cap and not force_hash
+    cap = B * cells if direct else hash_cap
+    keys_t = np.full(cap, -1, dtype=np.int64)  # kFreeKey
+    first = np.full(cap, 2**32 - 1, dtype=np.int64)
+    count = np.full(cap, -1, dtype=np.int64)
+    base = np.zeros(cap, dtype=np.int64)
+    cursor = -1
+    # insert_kernel, in a random order
+    cx, okx = _axis_cell(pts[:, 0], grid.lower[0], grid.size[0], gx)
+    cy, oky = _axis_cell(pts[:, 1], grid.lower[1], grid.size[1], gy)
+    cz, okz = _axis_cell(pts[:, 2], grid.lower[2], grid.size[2], gz)
+    sample = np.searchsorted(off[1:], np.arange(n), side="right")
+    valid = okx & oky & okz
+    key = sample * cells + (cz * gy + cy) * gx + cx
+    hashed = mix32(key) & (cap - 1) if not direct else key
+    point_slot = np.full(n, -1, dtype=np.int64)
+    point_pos = np.zeros(n, dtype=np.int64)
+    for i in rng.permutation(n):
+        if not valid[i]:
+            continue
+        if direct:
+            slot = key[i]
+        else:
+            slot = int(hashed[i])
+            for _ in range(cap):
+                if keys_t[slot] in (key[i], -1):
+                    keys_t[slot] = key[i]
+                    break
+                slot = (slot + 1) & (cap - 1)
+        first[slot] = min(first[slot], i)
+        count[slot] += 1
+        point_pos[i] = count[slot]  # atomicAdd(count, 1) + 1
+        point_slot[i] = slot
+    # flags_kernel, in another random order
+    flags = np.zeros(n, dtype=np.int64)
+    for i in rng.permutation(n):
+        s = point_slot[i]
+        if s >= 0 and first[s] == i:
+            base[s] = cursor + 1
+            cursor += count[s] + 1
+            flags[i] = 1
+    rank, total = exclusive_scan(flags)
+    # samples_kernel
+    sample_first, sample_base = [], []
+    m = 0
+    for b in range(B):
+        lo = rank[off[b]] if off[b] < n else total
+        hi = rank[off[b + 1]] if off[b + 1] < n else total
+        sample_first.append(lo)
+        sample_base.append(m)
+        m += min(max(hi - lo, 0), V)
+    rows = padded_rows if padded_rows is not None else sum(min(s, V) for s in sizes)
+    # place_kernel
+    lst = np.full(n, -1, dtype=np.int64)
+    row_slot = np.full(rows, -1, dtype=np.int64)
+    for i in range(n):
+        s = point_slot[i]
+        if s < 0:
+            continue
+        lst[base[s] + point_pos[i]] = i
+        if first[s] != i:
+            continue
+        b = sample[i]
+        local = rank[i] - sample_first[b]
+        if local < V and sample_base[b] + local < rows:
+            row_slot[sample_base[b] + local] = s
+    # emit_hashed_kernel
+    voxels = torch.zeros((rows, P, C), dtype=raw.dtype)
+    coors = torch.zeros((rows, ncols), dtype=torch.int32)
+    num = torch.zeros(rows, dtype=torch.int32)
+    for r in range(rows):
+        if r >= m:
+            coors[r] = -1
+            continue
+        s = row_slot[r]
+        assert s >= 0, f"row {r} < m = {m} has no voxel"
+        cnt = count[s] + 1
+        stretch = lst[base[s] : base[s] + cnt]
+        assert (stretch >= 0).all()
+        k = min(cnt, P)
+        if cnt <= warp:  # each entry's rank: the number of smaller entries
+            rank = (stretch[None, :] < stretch[:, None]).sum(1)
+            for v, rk in zip(stretch, rank):
+                if rk < k:
+                    voxels[r, rk] = raw[v]
+        after = -1
+        for lo in range(0, k if cnt > warp else 0, warp):
+            best = warp_smallest_after(stretch, after, warp)
+            for t in range(min(k - lo, warp)):
+                voxels[r, lo + t] = raw[best[t]]
+            after = int(best[warp - 1])
+        num[r] = k
+        kk = s if direct else keys_t[s]
+        b, cell = kk // cells, kk % cells
+        zyx = [cell // (gx * gy), (cell // gx) % gy, cell % gx]
+        coors[r] = torch.tensor(([b] if ncols == 4 else []) + zyx, dtype=torch.int32)
+    if padded_rows is None:
+        return voxels[:m], coors[:m], num[:m], torch.tensor(m)
+    return voxels, coors, num, torch.tensor(m)
+
+
 def pillar_canvas(
     feats_bits: np.ndarray,
     coors: np.ndarray,

@@ -19,6 +19,8 @@ from mu_space.testing import lidar
 from tests.native_calls import ReachedRuntime, load_library, relabelling
 
 ENTRY_POINTS = (
+    "voxel_hard_forward_hashed",
+    "voxel_hashed_workspace_ints",
     "voxel_hard_keys",
     "voxel_hard_forward",
     "voxel_dynamic_forward",
@@ -60,10 +62,12 @@ def _native(op_name, *args, **kwargs):
     return op.d.native(c, *schema)
 
 
+@pytest.mark.parametrize("grouping", ["hashed", "sort"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_voxelization_entry_points_accept_the_python_arguments(calls, dtype):
+def test_voxelization_entry_points_accept_the_python_arguments(calls, dtype, grouping, monkeypatch):
     import mu_space  # noqa: F401
 
+    monkeypatch.setattr(sys.modules["mu_space.ops._voxel"], "GROUPING", grouping)
     vs, pcr, P, V = lidar.layer_args("tiny-voxels")
     pts = lidar.make("tiny-3sweeps").to(dtype)
     clouds = [pts, pts[:100]]
@@ -84,7 +88,12 @@ def test_voxelization_entry_points_accept_the_python_arguments(calls, dtype):
     ):
         with pytest.raises(ReachedRuntime):
             _native(op, *args, **kwargs)
-    assert calls == ["voxel_hard_keys", "voxel_hard_forward"] * 3 + ["voxel_dynamic_forward"] * 2
+    hard = (
+        ["voxel_hard_forward_hashed"]
+        if grouping == "hashed"
+        else ["voxel_hard_keys", "voxel_hard_forward"]
+    )
+    assert calls == hard * 3 + ["voxel_dynamic_forward"] * 2
 
 
 @pytest.mark.parametrize("reduce", ["max", "mean"])

@@ -376,6 +376,54 @@ def test_kernel_model_hard(config, P, V):
     assert (single[1][m:] == -1).all() and not single[0][m:].any() and not single[2][m:].any()
 
 
+@pytest.mark.parametrize("config,P,V", [("tiny-voxels", 5, 1500), ("tiny-pillars", 40, 150)])
+@pytest.mark.parametrize("warp", [32, 128])
+def test_kernel_model_hashed(config, P, V, warp):
+    """_voxel_model mirrors the hashed pipeline (slot table, first points, stretches, the warp
+    selection): with the atomics run in three random orders, the direct and the open-addressing
+    table, 32- and 128-lane warps (MUSA mp_21 / mp_22), its outputs are the reference's; and the
+    padded mode's padding rows."""
+    vs, pcr, _, _ = lidar.layer_args(config)
+    clouds = lidar.batch(lidar.VOXEL_CONFIGS[config].cloud, 2)
+    pts = torch.cat(clouds)
+    sizes = [c.shape[0] for c in clouds]
+    grid = _voxel.voxel_grid(vs, pcr)
+    want = _voxel.hard_voxelize_reference(pts, grid, P, V, sizes)
+    for seed, force_hash in ((0, False), (1, True), (2, True)):
+        got = model.hard_voxelize_hashed(
+            pts, grid, P, V, sizes, warp=warp, seed=seed, force_hash=force_hash
+        )
+        _equal(got[:3], want[:3])
+    single = model.hard_voxelize_hashed(clouds[0], grid, P, V, None, padded_rows=V + 7, warp=warp)
+    m = int(single[3])
+    _equal([t[:m] for t in single[:3]], mu_space.voxelization(clouds[0], vs, pcr, P, V))
+    assert (single[1][m:] == -1).all() and not single[0][m:].any() and not single[2][m:].any()
+
+
+def test_kernel_model_hashed_crowded_voxels():
+    """Voxels of more points than a warp and than max_points (several chunks, several
+    selection rounds, P not a multiple of the warp)."""
+    pts, vs, pcr, _, V = _tiny()
+    crowded = pts[:40].repeat(90, 1)  # 40 voxels or fewer, ~90 points each
+    grid = _voxel.voxel_grid(vs, pcr)
+    for P in (1, 31, 32, 33, 70, 100):
+        want = _voxel.hard_voxelize_reference(crowded, grid, P, V, None)
+        _equal(model.hard_voxelize_hashed(crowded, grid, P, V, None, seed=P)[:3], want[:3])
+
+
+@pytest.mark.parametrize("warp", [32, 128])
+def test_kernel_model_warp_selection(warp):
+    """warp_smallest_after's network: lane t holds the t-th smallest entry above `after`, for
+    stretches shorter than, equal to and longer than a warp, INT_MAX past the end."""
+    rng = np.random.default_rng(warp)
+    for cnt in (1, 2, warp - 1, warp, warp + 1, 3 * warp + 5, 500):
+        stretch = rng.choice(10**6, size=cnt, replace=False)
+        for after in (-1, int(np.sort(stretch)[cnt // 2])):
+            want = np.sort(stretch[stretch > after])[:warp]
+            got = model.warp_smallest_after(stretch, after, warp)
+            assert (got[: want.size] == want).all() and (got[want.size :] == model.INT_MAX).all()
+
+
 @pytest.mark.parametrize("cols", [1, 3, 5, 10, 32, 64, 999])
 def test_kernel_model_rowcol_walk_is_divmod(cols):
     """RowCol (the emit and segment kernels' division-free (row, col)) visits every flat index
@@ -429,6 +477,74 @@ def test_native_hard_equals_reference(config, V, dtype):
     _equal(got, want)
     again = mu_space.voxelization(pts.to(device), vs, pcr, P, V, False, backend="native")
     _equal(again, got)  # deterministic=False: the same bits
+
+
+def _recording_entry_points(monkeypatch) -> list[str]:
+    from mu_space.runtime import native
+
+    names: list[str] = []
+    real = native.function
+
+    def function(name):
+        fn = real(name)
+
+        def call(*args):
+            names.append(name)
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(native, "function", function)
+    return names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config,V", _gpu_cases())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_native_hashed_grouping_equals_the_sort_grouping(config, V, dtype, monkeypatch):
+    """The two native groupings give the same bits (single cloud, batch, padded), and the
+    default one is the hashed kernel."""
+    device = native_gpu_device()
+    vs, pcr, P, V0 = lidar.layer_args(config)
+    V = V or V0
+    clouds = [c.to(device, dtype) for c in lidar.batch(lidar.VOXEL_CONFIGS[config].cloud, 2)]
+    calls = {
+        "single": lambda: mu_space.voxelization(clouds[0], vs, pcr, P, V, backend="native"),
+        "batch": lambda: mu_space.voxelization_batch(clouds, vs, pcr, P, V, backend="native"),
+        "padded": lambda: mu_space.voxelization_padded(clouds[1], vs, pcr, P, V, backend="native"),
+    }
+    names = _recording_entry_points(monkeypatch)
+    hashed = {}
+    for k, f in calls.items():
+        names.clear()
+        hashed[k] = f()
+        assert "voxel_hard_forward_hashed" in names and "voxel_hard_keys" not in names, k
+    monkeypatch.setattr(_voxel, "GROUPING", "sort")
+    for k, f in calls.items():
+        names.clear()
+        _equal(hashed[k], f())
+        assert "voxel_hard_keys" in names and "voxel_hard_forward_hashed" not in names, k
+
+
+@pytest.mark.gpu
+def test_native_hashed_crowded_voxels_and_large_max_points(monkeypatch):
+    """Voxels of many more points than a warp, max_points below / at / above a warp and at the
+    hashed kernels' limit, then one above it (the sort grouping)."""
+    device = native_gpu_device()
+    pts, vs, pcr, _, V = _tiny()
+    crowded = pts[:60].repeat(300, 1)  # <= 60 voxels of ~300 points each
+    from mu_space.runtime import native
+
+    limit = native.limit("voxelization.hashed_max_points_per_voxel")
+    names = _recording_entry_points(monkeypatch)
+    for P in (1, 31, 32, 33, 100, limit, limit + 1):
+        names.clear()
+        _equal(
+            mu_space.voxelization(crowded.to(device), vs, pcr, P, V, backend="native"),
+            mu_space.voxelization(crowded, vs, pcr, P, V, backend="reference"),
+        )
+        assert ("voxel_hard_forward_hashed" in names) == (P <= limit), P
+        assert ("voxel_hard_keys" in names) == (P > limit), P
 
 
 @pytest.mark.gpu
