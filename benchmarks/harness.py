@@ -38,6 +38,11 @@ GiB = 1 << 30
 FLUSH_MIN_BYTES = 256 * MiB
 MAX_ARG_SETS = 128
 SPACER_CYCLES = 1_000_000  # ~0.5 ms of GPU sleep at 2 GHz queued before each timed call
+# The warm-up runs at least this long as well as its count: 5 warm-up calls of a ~60-us call
+# left the first case of a run 27-38 us slower than the same call in the next case (H200,
+# 2026-12-02, bench_voxelization: pointpillars-kitti hard-det 102.1 us, then hard-nondet, the
+# same kernels, 64.1 us).
+WARMUP_MIN_S = 0.025
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # run mode -> (reps, warm-up calls, bytes of the copy-bandwidth measurement)
@@ -182,6 +187,18 @@ def device_kernel_times(fn: Callable[[], Any], calls: int) -> dict[str, float]:
     return dict(sorted(per_call.items(), key=lambda kv: -kv[1]))
 
 
+def _warm_up(call: Callable[[int], Any], calls: int, device) -> None:
+    """`calls` untimed calls, then more until WARMUP_MIN_S has passed (at most 1000 in all);
+    none for calls = 0."""
+    start = _clock()
+    i = 0
+    while i < calls or (0 < calls and i < 1000 and _clock() - start < WARMUP_MIN_S):
+        call(i)
+        i += 1
+        if i >= calls:
+            torch.cuda.synchronize(device)  # the clock then counts device time too
+
+
 def time_gpu(
     fn: Callable,
     make_args: Callable[[], Any],
@@ -208,8 +225,7 @@ def time_gpu(
         call = _graph_replayer(fn, arg_sets)
     else:
         call = lambda i: fn(*arg_sets[i % len(arg_sets)])  # noqa: E731
-    for i in range(warmup):
-        call(i)
+    _warm_up(call, warmup, device)
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(reps)
