@@ -1,15 +1,16 @@
 """`voxelization`: mmcv's hard voxelization (`mmcv.ops.voxelization`), deterministic. Formula,
 shapes and upstream rules: the public function's docstring and docs/operators/voxelization.md.
 
-Native path (csrc/voxel/voxelize_musa.mu and torch.sort, on the caller's stream): per point its
-cell key (or a sentinel), the platform's stable sort of the keys (run_hard_native), the runs of
-equal keys (= voxels, points in input order inside each), a scan over the voxels' first points
-(= voxel ids in first-occurrence order), per-sample counts, and one kernel writing the outputs
-(points, zero padding, coordinates, counts). The outputs are allocated with an upper bound of
-rows (min(N, max_voxels)); the voxel count is read back once at the end (the one host
-synchronisation: the output size depends on the data) and the results are views of the first M
-rows, as mmcv returns `voxels[:voxel_num]`. `voxelization_padded` is the same without the
-read-back (CUDA-graph capturable).
+Native path (csrc/voxel/voxelize_musa.mu, on the caller's stream; run_hard_native picks the
+grouping): by default a slot table of the occupied cells (first points by atomicMin, so voxel ids
+in first-occurrence order come from one scan; each voxel's points recovered in input order by a
+warp-wide selection), no sort of the points; for max_points above the hashed kernels' limit the
+platform's stable sort of the point keys and the runs of equal keys instead. Both give the same
+bits. The outputs are allocated with an upper bound of rows (min(N, max_voxels)); the voxel count
+is read back once (the one host synchronisation: the output size depends on the data; the hashed
+grouping reads it while its last kernels run) and the results are views of the first M rows, as
+mmcv returns `voxels[:voxel_num]`. `voxelization_padded` is the same without the read-back
+(CUDA-graph capturable).
 """
 
 from __future__ import annotations
