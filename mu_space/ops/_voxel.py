@@ -490,68 +490,27 @@ def run_hard_native(points, grid, P, V, sizes, *, padded: bool, rows: int):
     coors = _opdef.new_output(points, (rows, ncols), torch.int32)
     num = _opdef.new_output(points, (rows,), torch.int32)
     counts = _opdef.new_output(points, (n_samples + 1,), torch.int64)
-    (vx, vy, vz), (x0, y0, z0), (gx, gy, gz) = grid
+    grid_args = (*grid.size, *grid.lower, *grid.cells)  # vx, vy, vz, x0, y0, z0, gx, gy, gz
     st = stream_handle(points)
     sample_offsets = native_shape(offsets)
+    tail = (*grid_args, P, V, sample_offsets, padded, st)  # the entry points' common arguments
     if uses_hashed_grouping(n, P):
-        ints = int(native.function("voxel_hashed_workspace_ints")(n, n_samples, rows, gx, gy, gz))
-        workspace = torch.empty(ints, dtype=torch.int32, device=points.device)
+        ints = native.function("voxel_hashed_workspace_ints")(n, n_samples, rows, *grid.cells)
+        workspace = torch.empty(int(ints), dtype=torch.int32, device=points.device)
         total = native.function("voxel_hard_forward_hashed")(
-            points,
-            workspace,
-            voxels,
-            coors,
-            num,
-            counts,
-            vx,
-            vy,
-            vz,
-            x0,
-            y0,
-            z0,
-            gx,
-            gy,
-            gz,
-            P,
-            V,
-            sample_offsets,
-            padded,
-            st,
+            points, workspace, voxels, coors, num, counts, *tail
         )
         return voxels, coors, num, counts, None if padded else int(total)
     ints = int(native.function("voxel_hard_workspace_ints")(n, n_samples, rows))
     workspace = torch.empty(ints, dtype=torch.int32, device=points.device)
     keys = torch.empty(n, dtype=torch.int32, device=points.device)
-    native.function("voxel_hard_keys")(
-        points, keys, vx, vy, vz, x0, y0, z0, gx, gy, gz, sample_offsets, st
-    )
+    native.function("voxel_hard_keys")(points, keys, *grid_args, sample_offsets, st)
     # the platform's stable sort on the same stream (CUB's radix sort under CUDA, torch_musa's
     # under MUSA; no host sync, CUDA-graph capturable): our own 3-pass radix sort took ~85 of
     # the 141 us of device time at 300k points on the H200 (2026-12-01)
     sorted_keys, perm = torch.sort(keys, stable=True)
     native.function("voxel_hard_forward")(
-        points,
-        sorted_keys,
-        perm,
-        workspace,
-        voxels,
-        coors,
-        num,
-        counts,
-        vx,
-        vy,
-        vz,
-        x0,
-        y0,
-        z0,
-        gx,
-        gy,
-        gz,
-        P,
-        V,
-        sample_offsets,
-        padded,
-        st,
+        points, sorted_keys, perm, workspace, voxels, coors, num, counts, *tail
     )
     return voxels, coors, num, counts, None if padded else int(counts[0])
 

@@ -55,6 +55,20 @@ def _axis_cell(v: np.ndarray, lo: float, size: float, cells: int):
     return c, ok & (c < cells)
 
 
+def samples_kernel(rank, total, off, n, V):
+    """samples_kernel (both groupings): per sample its first voxel rank and output base, and
+    the kept voxels in all (min(voxels, V) per sample)."""
+    sample_first, sample_base = [], []
+    m = 0
+    for b in range(len(off) - 1):
+        lo = rank[off[b]] if off[b] < n else total
+        hi = rank[off[b + 1]] if off[b + 1] < n else total
+        sample_first.append(lo)
+        sample_base.append(m)
+        m += min(max(hi - lo, 0), V)
+    return sample_first, sample_base, m
+
+
 def hard_voxelize(points, grid, P, V, sizes, *, padded_rows=None):
     """(voxels, coors, num, count) as voxel_hard_forward writes them; `padded_rows` set: the
     padded mode with that many rows (one sample)."""
@@ -81,18 +95,7 @@ def hard_voxelize(points, grid, P, V, sizes, *, padded_rows=None):
     first = np.zeros(n, dtype=np.int64)
     first[idx] = start
     rank, total = exclusive_scan(first)
-    # samples_kernel
-    sample_first, sample_base, kept = [], [], []
-    base = 0
-    for b in range(B):
-        lo = rank[off[b]] if off[b] < n else total
-        hi = rank[off[b + 1]] if off[b + 1] < n else total
-        k = min(max(hi - lo, 0), V)
-        sample_first.append(lo)
-        sample_base.append(base)
-        kept.append(k)
-        base += k
-    m = base
+    sample_first, sample_base, m = samples_kernel(rank, total, off, n, V)
     rows = padded_rows if padded_rows is not None else sum(min(s, V) for s in sizes)
     # rows_kernel
     row_start = np.full(rows, -1, dtype=np.int64)
@@ -247,15 +250,7 @@ def hard_voxelize_hashed(
             cursor += count[s] + 1
             flags[i] = 1
     rank, total = exclusive_scan(flags)
-    # samples_kernel
-    sample_first, sample_base = [], []
-    m = 0
-    for b in range(B):
-        lo = rank[off[b]] if off[b] < n else total
-        hi = rank[off[b + 1]] if off[b + 1] < n else total
-        sample_first.append(lo)
-        sample_base.append(m)
-        m += min(max(hi - lo, 0), V)
+    sample_first, sample_base, m = samples_kernel(rank, total, off, n, V)
     rows = padded_rows if padded_rows is not None else sum(min(s, V) for s in sizes)
     # place_kernel
     lst = np.full(n, -1, dtype=np.int64)

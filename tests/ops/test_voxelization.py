@@ -358,6 +358,13 @@ def test_point_to_voxel_follows_spconv():
 # ---------------------------------------------------------------- the kernels' algorithm
 
 
+def _check_padded_model(single, cloud, vs, pcr, P, V):
+    """A model's padded-mode outputs: the first m rows are voxelization's, the rest padding."""
+    m = int(single[3])
+    _equal([t[:m] for t in single[:3]], mu_space.voxelization(cloud, vs, pcr, P, V))
+    assert (single[1][m:] == -1).all() and not single[0][m:].any() and not single[2][m:].any()
+
+
 @pytest.mark.parametrize("config,P,V", [("tiny-voxels", 5, 1500), ("tiny-pillars", 3, 150)])
 def test_kernel_model_hard(config, P, V):
     """_voxel_model mirrors the native pipeline (keys, the stable sort, runs, first-point scan,
@@ -371,9 +378,7 @@ def test_kernel_model_hard(config, P, V):
     got = model.hard_voxelize(pts, grid, P, V, sizes)
     _equal(got[:3], want[:3])
     single = model.hard_voxelize(clouds[0], grid, P, V, None, padded_rows=V + 7)
-    m = int(single[3])
-    _equal([t[:m] for t in single[:3]], mu_space.voxelization(clouds[0], vs, pcr, P, V))
-    assert (single[1][m:] == -1).all() and not single[0][m:].any() and not single[2][m:].any()
+    _check_padded_model(single, clouds[0], vs, pcr, P, V)
 
 
 @pytest.mark.parametrize("config,P,V", [("tiny-voxels", 5, 1500), ("tiny-pillars", 40, 150)])
@@ -395,9 +400,7 @@ def test_kernel_model_hashed(config, P, V, warp):
         )
         _equal(got[:3], want[:3])
     single = model.hard_voxelize_hashed(clouds[0], grid, P, V, None, padded_rows=V + 7, warp=warp)
-    m = int(single[3])
-    _equal([t[:m] for t in single[:3]], mu_space.voxelization(clouds[0], vs, pcr, P, V))
-    assert (single[1][m:] == -1).all() and not single[0][m:].any() and not single[2][m:].any()
+    _check_padded_model(single, clouds[0], vs, pcr, P, V)
 
 
 def test_kernel_model_hashed_crowded_voxels():
