@@ -52,3 +52,21 @@ def graph_capture_device() -> torch.device:
             "CUDA graph capture needs the caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1)"
         )
     return native_gpu_device()
+
+
+def recording_entry_points(monkeypatch) -> list[str]:
+    """The names of the native entry points called from now on (in call order; the calls run)."""
+    names: list[str] = []
+    real = native.function
+
+    def function(name):
+        fn = real(name)
+
+        def call(*args):
+            names.append(name)
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(native, "function", function)
+    return names

@@ -47,6 +47,7 @@
 #include "dispatch.muh"
 #include "gpu_compat.muh"
 #include "launch.muh"
+#include "readback.muh"
 #include "vec.muh"
 #include "scan.muh"
 #include "voxel_grid.muh"
@@ -200,6 +201,203 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// ---------------------------------------------------------------- bitmap grouping (no sort)
+//
+// voxel_group_bitmap: voxel_group's outputs without sorting the points (torch.sort was ~59 of
+// the grouping's ~118 us of kernels at 327k points on the H200, ncu, 2026-12-01). The keys are
+// the mixed-radix keys above; a voxel's index in sorted-key order is the number of occupied
+// keys below its own, read from a bitmap of the key range:
+//   1. colmax_kernel        (above) the column maxima, K, the int64 overflow flag
+//   2. bitmap_zero_kernel   the key range = prod(max + 1); beyond the bitmap's capacity (or an
+//                           overflow) the fallback flag is set and every later kernel does
+//                           nothing. Zeroes the range's bitmap words, every block count and
+//                           counts[0, N)
+//   3. bitmap_mark_kernel   per valid row its key's bit (atomicOr, skipped when a plain read
+//                           already shows the bit: CenterPoint's 327k rows set bits in only
+//                           18k words); keys [N] <- the key, or ~0 for a dropped row
+//   4. bitmap_count_kernel  a thread per word of the range: its popcount, the exclusive prefix
+//                           inside its 32-word block (16 bit) and the block's count
+//   5. scan(block counts)   -> the occupied keys before each block; the total is M
+//   6. bitmap_rank_kernel   per row v = block prefix + word prefix + popcount of its word below
+//                           its bit; point2voxel, the row's position among its voxel's rows
+//                           (atomicAdd: any order; position 0 writes voxel_coors); a voxel of
+//                           more than kBitmapMaxPointsPerVoxel rows sets the fallback flag. The
+//                           header is copied to the host here.
+//   7. scan(counts)         -> starts
+//   8. bitmap_place_kernel  each row into its voxel's stretch of an unordered list
+//   9. stable_rank_kernel   per row its rank among its voxel's rows by index (a pass over the
+//                           stretch) -> order: each voxel's rows in input order.
+// Only the order of the atomics depends on the schedule; every output value does not. Fallback:
+// the caller runs the sort grouping (voxel_group_keys / sort / voxel_group_from_sorted).
+
+constexpr int kFallback = 8;    // header: why the bitmap grouping cannot (1 range, 2 crowded)
+constexpr int kKeyRange = 9;    // header: prod(max + 1), as bitmap_zero_kernel computed it
+constexpr int kBitmapHeaderInts = 16;  // copied to the host as 8 int64 words
+constexpr int kBlockKeysLog2 = 10;     // keys per block count: 32 words
+constexpr int kBlockWords = 32;
+constexpr int64_t kBitmapMinKeys = int64_t{1} << 24;
+constexpr int64_t kBitmapMaxKeys = int64_t{1} << 30;
+constexpr int64_t kBitmapKeysPerRow = 512;
+MUSPACE_LIMIT(voxel_group, bitmap_max_keys, kBitmapMaxKeys);
+// a row's rank pass reads its voxel's whole stretch: count^2 reads per voxel
+constexpr int kBitmapMaxPointsPerVoxel = 1024;
+MUSPACE_LIMIT(voxel_group, bitmap_max_points_per_voxel, kBitmapMaxPointsPerVoxel);
+constexpr uint32_t kDroppedKey = 0xFFFFFFFFu;  // keys < 2^30
+constexpr unsigned kFullMask = kWarpSize >= 32 ? ~0u : ((1u << kWarpSize) - 1u);
+
+// The key range the caller's bitmap can hold for n rows (a multiple of the block size).
+int64_t bitmap_keys(int64_t n) {
+  const int64_t want = std::min(std::max(n * kBitmapKeysPerRow, kBitmapMinKeys), kBitmapMaxKeys);
+  const int64_t block = int64_t{1} << kBlockKeysLog2;
+  return (want + block - 1) / block * block;
+}
+
+// prod(max + 1) over the columns from the header, or -1 when it exceeds `cap` or a value
+// overflowed int32.
+__device__ __forceinline__ int64_t key_range(const int* header, int ndim, int64_t cap) {
+  int64_t range = 1;
+  for (int c = 0; c < ndim; ++c) {
+    range *= static_cast<int64_t>(header[kColMax + c]) + 1;  // each factor <= 2^31: no overflow
+    if (range > cap) return -1;
+  }
+  return header[kOverflow] != 0 ? -1 : range;
+}
+
+__global__ void __launch_bounds__(kBlock)
+    bitmap_zero_kernel(int* __restrict__ header, int ndim, int64_t cap, int n,
+                       uint32_t* __restrict__ bitmap, int* __restrict__ block_counts,
+                       int* __restrict__ counts) {
+  const int64_t range = key_range(header, ndim, cap);
+  if (global_thread() == 0) {
+    header[kKeyRange] = static_cast<int>(range);
+    if (range < 0) header[kFallback] = 1;
+  }
+  if (range < 0) return;
+  const int64_t words = (range + 31) >> 5;
+  const int64_t blocks = cap >> kBlockKeysLog2;  // all of them: the scan reads every one
+  const int64_t most = ::max(::max(words, blocks), static_cast<int64_t>(n));
+  for (int64_t i = global_thread(); i < most; i += global_threads()) {
+    if (i < words) bitmap[i] = 0u;
+    if (i < blocks) block_counts[i] = 0;
+    if (i < n) counts[i] = 0;
+  }
+}
+
+template <typename I>
+__global__ void __launch_bounds__(kBlock)
+    bitmap_mark_kernel(const I* __restrict__ coors, int n, int ndim,
+                       const int* __restrict__ header, uint32_t* __restrict__ bitmap,
+                       uint32_t* __restrict__ keys) {
+  if (header[kFallback] != 0) return;
+  int64_t dims[kMaxNdim];
+  for (int c = 0; c < ndim; ++c) dims[c] = static_cast<int64_t>(header[kColMax + c]) + 1;
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const I* row = coors + i * ndim;
+    bool valid = true;
+    for (int c = 0; c < ndim; ++c) valid = valid && row[c] >= 0;
+    uint32_t key = kDroppedKey;
+    if (valid) {
+      int64_t k = 0;  // < the key range: every value of a valid row is <= its column's max
+      for (int c = 0; c < ndim; ++c) k = k * dims[c] + static_cast<int64_t>(row[c]);
+      key = static_cast<uint32_t>(k);
+      const uint32_t bit = 1u << (key & 31u);
+      // a stale read only costs the atomic; the bit ends set either way
+      if ((bitmap[key >> 5] & bit) == 0u) atomicOr(&bitmap[key >> 5], bit);
+    }
+    keys[i] = key;
+  }
+}
+
+// A thread per word of the key range (rounded up to whole warps: the shuffles of a 32-word
+// block need every lane of it).
+__global__ void __launch_bounds__(kBlock)
+    bitmap_count_kernel(const int* __restrict__ header, const uint32_t* __restrict__ bitmap,
+                        uint16_t* __restrict__ word_prefix, int* __restrict__ block_counts) {
+  static_assert(kWarpSize % kBlockWords == 0, "a block's words are lanes of one warp");
+  if (header[kFallback] != 0) return;
+  const int64_t words = (static_cast<int64_t>(header[kKeyRange]) + 31) >> 5;
+  const int64_t lanes = (words + kWarpSize - 1) / kWarpSize * kWarpSize;
+  const int sub = static_cast<int>(threadIdx.x) % kBlockWords;
+  for (int64_t w = global_thread(); w < lanes; w += global_threads()) {  // warp-uniform
+    const int c = w < words ? __popc(bitmap[w]) : 0;
+    int inclusive = c;
+#pragma unroll
+    for (int d = 1; d < kBlockWords; d <<= 1) {
+      const int y = __shfl_up_sync(kFullMask, inclusive, d, kBlockWords);
+      if (sub >= d) inclusive += y;
+    }
+    if (w < words) word_prefix[w] = static_cast<uint16_t>(inclusive - c);
+    if (sub == kBlockWords - 1 && w < words + kBlockWords - 1) {
+      block_counts[w >> 5] = inclusive;
+    }
+  }
+}
+
+template <typename I>
+__global__ void __launch_bounds__(kBlock)
+    bitmap_rank_kernel(const I* __restrict__ coors, int n, int ndim, int* __restrict__ header,
+                       const uint32_t* __restrict__ bitmap,
+                       const uint16_t* __restrict__ word_prefix,
+                       const int* __restrict__ block_prefix, const uint32_t* __restrict__ keys,
+                       int* __restrict__ point2voxel, int* __restrict__ counts,
+                       int* __restrict__ pos, I* __restrict__ voxel_coors) {
+  if (header[kFallback] != 0) return;
+  const int m = header[kVoxels];
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const uint32_t key = keys[i];
+    if (key == kDroppedKey) {
+      point2voxel[i] = -1;
+      continue;
+    }
+    const uint32_t w = key >> 5;
+    const int v = block_prefix[key >> kBlockKeysLog2] + word_prefix[w] +
+                  __popc(bitmap[w] & ((1u << (key & 31u)) - 1u));
+    if (v < 0 || v >= m) continue;  // never from the kernels above
+    point2voxel[i] = v;
+    const int at = atomicAdd(&counts[v], 1);
+    pos[i] = at;
+    if (at >= kBitmapMaxPointsPerVoxel) atomicOr(&header[kFallback], 2);
+    if (at == 0) {  // one row per voxel writes its coordinates
+      for (int c = 0; c < ndim; ++c)
+        voxel_coors[static_cast<int64_t>(v) * ndim + c] = coors[i * ndim + c];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    bitmap_place_kernel(const int* __restrict__ header, int n, const int* __restrict__ point2voxel,
+                        const int* __restrict__ pos, const int* __restrict__ starts,
+                        int* __restrict__ list) {
+  if (header[kFallback] != 0) return;
+  const int m = header[kVoxels];
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const int v = point2voxel[i];
+    if (static_cast<unsigned>(v) >= static_cast<unsigned>(m)) continue;
+    const int at = starts[v] + pos[i];
+    if (static_cast<unsigned>(at) < static_cast<unsigned>(n)) list[at] = static_cast<int>(i);
+  }
+}
+
+// Row i's place in order: its voxel's start + the number of the voxel's rows below i (rows are
+// distinct, so the places are a permutation of the stretch).
+__global__ void __launch_bounds__(kBlock)
+    stable_rank_kernel(const int* __restrict__ header, int n, const int* __restrict__ point2voxel,
+                       const int* __restrict__ starts, const int* __restrict__ counts,
+                       const int* __restrict__ list, int* __restrict__ order) {
+  if (header[kFallback] != 0) return;
+  const int m = header[kVoxels];
+  for (int64_t i = global_thread(); i < n; i += global_threads()) {
+    const int v = point2voxel[i];
+    if (static_cast<unsigned>(v) >= static_cast<unsigned>(m)) continue;
+    const int s = starts[v];
+    const int cnt = counts[v];
+    if (s < 0 || cnt < 1 || cnt > kBitmapMaxPointsPerVoxel || s > n - cnt) continue;
+    int r = 0;
+    for (int j = 0; cnt > 1 && j < cnt; ++j) r += list[s + j] < static_cast<int>(i) ? 1 : 0;
+    order[s + r] = static_cast<int>(i);
+  }
+}
+
 // ----------------------------------------------------------------------------- segment reduce
 
 constexpr int kSum = 0, kMean = 1, kMax = 2;
@@ -275,6 +473,67 @@ __global__ void __launch_bounds__(kBlock)
 // Elements of T in one 16-byte piece.
 template <typename T>
 constexpr int kPiece = 16 / static_cast<int>(sizeof(T));
+
+// segment_reduce_kernel on 16-byte pieces (channels % kPiece<T> == 0; feats, out and argmax
+// 16-byte aligned): a thread per (voxel, piece), the same float32 arithmetic per element in the
+// same row order. A thread per (voxel, channel) issued a 4-byte load per row and channel and
+// read at 35 % of DRAM throughput at C = 64 (ncu, H200, 2026-12-01).
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    segment_reduce_vec_kernel(const T* __restrict__ feats, int n, int channels,
+                              const int* __restrict__ order, int k,
+                              const int* __restrict__ starts, const int* __restrict__ counts,
+                              int m, int reduce, T* __restrict__ out, int* __restrict__ argmax) {
+  constexpr int kVec = kPiece<T>;
+  const int pieces = channels / kVec;
+  const int64_t total = static_cast<int64_t>(m) * pieces;
+  if (pieces <= 0) return;
+  RowCol rc(global_thread(), global_threads(), pieces);
+  for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
+    const int v = static_cast<int>(rc.row);
+    const int c0 = rc.col * kVec;
+    int s, end;
+    voxel_range(starts, counts, v, k, s, end);
+    float acc[kVec];
+    int arg[kVec];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      acc[u] = reduce == kMax ? negative_infinity() : 0.0f;
+      arg[u] = -1;
+    }
+    for (int j = s; j < end; ++j) {
+      const int i = order[j];
+      if (static_cast<unsigned>(i) >= static_cast<unsigned>(n)) continue;
+      float x[kVec];
+      load_floats<T, kVec>(feats + static_cast<int64_t>(i) * channels + c0, x);
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) {
+        if (reduce == kMax) {
+          if (x[u] > acc[u] || (arg[u] < 0 && x[u] == acc[u])) {  // as segment_reduce_kernel
+            acc[u] = x[u];
+            arg[u] = i;
+          }
+        } else {
+          acc[u] += x[u];
+        }
+      }
+    }
+    if (reduce == kMean) {
+      const float d = static_cast<float>(max(counts[v], 1));
+#pragma unroll
+      for (int u = 0; u < kVec; ++u) acc[u] = acc[u] / d;
+    }
+    const int64_t at = static_cast<int64_t>(v) * channels + c0;
+    store_floats<T, kVec>(out + at, acc);
+    if (argmax != nullptr) {
+#pragma unroll
+      for (int q = 0; q < kVec / 4; ++q) {
+        reinterpret_cast<int4*>(argmax + at)[q] =
+            make_int4(arg[4 * q], arg[4 * q + 1], arg[4 * q + 2], arg[4 * q + 3]);
+      }
+    }
+  }
+}
 
 // segment_grad_rows_kernel on 16-byte pieces (channels % kPiece<T> == 0, grad_out and grad
 // 16-byte aligned): consecutive threads take consecutive pieces, one point2voxel / counts load
@@ -556,6 +815,123 @@ void group_from_sorted(TensorView coors, TensorView workspace, TensorView sorted
   check_launch("voxel_group counts_kernel");
 }
 
+struct BitmapLayout {
+  int64_t keys_cap, header, bitmap, word_prefix, blocks, block_sums, keys, pos, list, sums, ints;
+};
+
+BitmapLayout bitmap_layout(int64_t n) {
+  BitmapLayout l;
+  l.keys_cap = bitmap_keys(n);
+  const int64_t words = l.keys_cap / 32;
+  const int64_t blocks = l.keys_cap >> kBlockKeysLog2;
+  int64_t off = 0;
+  auto take = [&](int64_t k) {
+    const int64_t at = off;
+    off += round4(std::max<int64_t>(k, 1));
+    return at;
+  };
+  l.header = take(kBitmapHeaderInts);
+  l.bitmap = take(words);
+  l.word_prefix = take((words + 1) / 2);  // uint16 each
+  l.blocks = take(blocks);
+  l.block_sums = take(scan_tiles(blocks, scan::kFineScanItems) + 1);
+  l.keys = take(n);
+  l.pos = take(n);
+  l.list = take(n);
+  l.sums = take(scan_tiles(n, scan::kFineScanItems) + 1);
+  l.ints = off;
+  return l;
+}
+
+int64_t bitmap_workspace_ints(int64_t n) {
+  if (n < 0 || n > kMaxRows) {
+    TVM_FFI_THROW(ValueError) << "voxel_group_bitmap_workspace_ints: n = " << n << " out of range";
+  }
+  return bitmap_layout(n).ints;
+}
+
+// voxel_group's outputs (each with N entries: upper bounds) from the bitmap grouping above.
+// Returns m + k * 2^31 (M voxels, K kept rows, both < 2^30: the first M / K entries of
+// voxel_coors, starts, counts / order are the result), or -1 when the bitmap grouping cannot
+// (the key range beyond the workspace's bitmap, an int64 value beyond int32, a voxel of more
+// than kBitmapMaxPointsPerVoxel rows): the caller then runs the sort grouping. The one host
+// synchronisation: the header, copied after the rank kernel while the rest runs.
+int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_coors,
+                     TensorView order, TensorView starts, TensorView counts,
+                     TensorView point2voxel, int64_t stream) {
+  const int64_t n = check_group_coors(coors);
+  const int64_t ndim = coors.size(1);
+  check_input(voxel_coors, "voxel_coors", coors, coors.dtype());
+  check_ndim(voxel_coors, "voxel_coors", 2);
+  check_size(voxel_coors, "voxel_coors", 0, n);
+  check_size(voxel_coors, "voxel_coors", 1, ndim);
+  check_vector(order, "order", coors, kInt32, n);
+  check_vector(starts, "starts", coors, kInt32, n);
+  check_vector(counts, "counts", coors, kInt32, n);
+  check_vector(point2voxel, "point2voxel", coors, kInt32, n);
+  const BitmapLayout l = bitmap_layout(n);
+  check_input(workspace, "workspace", coors, kInt32);
+  check_ndim(workspace, "workspace", 1);
+  if (workspace.size(0) < l.ints) {
+    TVM_FFI_THROW(ValueError) << "workspace must hold " << l.ints << " int32 (from "
+                              << "voxel_group_bitmap_workspace_ints), got " << workspace.size(0);
+  }
+  check_aligned(workspace, "workspace", 16);
+  const int device_id = coors.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  if (n == 0) return 0;
+  int* ws = data_of<int>(workspace);
+  int* head = ws + l.header;
+  uint32_t* bitmap = reinterpret_cast<uint32_t*>(ws + l.bitmap);
+  uint32_t* keys = reinterpret_cast<uint32_t*>(ws + l.keys);
+  int* blocks = ws + l.blocks;
+  const int64_t n_blocks = l.keys_cap >> kBlockKeysLog2;
+  const int ni = static_cast<int>(n);
+  const int nd = static_cast<int>(ndim);
+  const int grid = blocks_for(n, device_id);
+  launch_zero(head, kBitmapHeaderInts * 4, device_id, st, "voxel_group fill (bitmap header)");
+  uint16_t* word_prefix = reinterpret_cast<uint16_t*>(ws + l.word_prefix);
+  Readback header;
+  dispatch_index(coors, "coors", [&](auto tag) {
+    using I = decltype(tag);
+    const I* rows = data_of<const I>(coors);
+    colmax_kernel<I><<<grid, kBlock, 0, st>>>(rows, ni, nd, head);
+    check_launch("voxel_group colmax_kernel");
+    const int64_t zero_items = std::max(std::max(l.keys_cap / 32, n_blocks), n);
+    bitmap_zero_kernel<<<blocks_for(zero_items, device_id), kBlock, 0, st>>>(
+        head, nd, l.keys_cap, ni, bitmap, blocks, data_of<int>(counts));
+    check_launch("voxel_group bitmap_zero_kernel");
+    bitmap_mark_kernel<I><<<grid, kBlock, 0, st>>>(rows, ni, nd, head, bitmap, keys);
+    check_launch("voxel_group bitmap_mark_kernel");
+    bitmap_count_kernel<<<blocks_for(l.keys_cap / 32, device_id), kBlock, 0, st>>>(
+        head, bitmap, word_prefix, blocks);
+    check_launch("voxel_group bitmap_count_kernel");
+    exclusive_scan(blocks, blocks, n_blocks, ws + l.block_sums, head + kVoxels, st,
+                   "voxel_group block scan", scan::kFineScanItems);
+    bitmap_rank_kernel<I><<<grid, kBlock, 0, st>>>(
+        rows, ni, nd, head, bitmap, word_prefix, blocks, keys, data_of<int>(point2voxel),
+        data_of<int>(counts), ws + l.pos, data_of<I>(voxel_coors));
+    check_launch("voxel_group bitmap_rank_kernel");
+  });
+  header = start_readback(reinterpret_cast<const int64_t*>(head), kBitmapHeaderInts / 2,
+                          device_id, st);
+  exclusive_scan(data_of<int>(counts), data_of<int>(starts), n, ws + l.sums, nullptr, st,
+                 "voxel_group count scan", scan::kFineScanItems);
+  bitmap_place_kernel<<<grid, kBlock, 0, st>>>(head, ni, data_of<const int>(point2voxel),
+                                               ws + l.pos, data_of<const int>(starts),
+                                               ws + l.list);
+  check_launch("voxel_group bitmap_place_kernel");
+  stable_rank_kernel<<<grid, kBlock, 0, st>>>(head, ni, data_of<const int>(point2voxel),
+                                              data_of<const int>(starts),
+                                              data_of<const int>(counts), ws + l.list,
+                                              data_of<int>(order));
+  check_launch("voxel_group stable_rank_kernel");
+  const int* h = reinterpret_cast<const int*>(finish_readback(header));
+  if (h[kFallback] != 0) return -1;
+  return static_cast<int64_t>(h[kVoxels]) + (static_cast<int64_t>(h[kValid]) << 31);
+}
+
 struct Grouping {
   int64_t n, channels, k, m;
 };
@@ -619,6 +995,17 @@ void reduce_forward(TensorView feats, TensorView order, TensorView starts, Tenso
   const gpuStream_t st = as_stream(stream);
   dispatch_float(feats, "feats", [&](auto tag) {
     using T = decltype(tag);
+    if (g.channels % kPiece<T> == 0 && is_aligned(feats, 16) && is_aligned(out, 16) &&
+        (!argmax.has_value() || is_aligned(*argmax, 16))) {
+      const int64_t pieces = g.m * (g.channels / kPiece<T>);
+      segment_reduce_vec_kernel<T><<<blocks_for(pieces, device_id), kBlock, 0, st>>>(
+          data_of<const T>(feats), static_cast<int>(g.n), static_cast<int>(g.channels),
+          data_of<const int>(order), static_cast<int>(g.k), data_of<const int>(starts),
+          data_of<const int>(counts), static_cast<int>(g.m), r, data_of<T>(out),
+          data_of<int>(argmax));
+      check_launch("segment_reduce_vec_kernel");
+      return;
+    }
     segment_reduce_kernel<T><<<blocks_for(g.m * g.channels, device_id), kBlock, 0, st>>>(
         data_of<const T>(feats), static_cast<int>(g.n), static_cast<int>(g.channels),
         data_of<const int>(order), static_cast<int>(g.k), data_of<const int>(starts),
@@ -704,5 +1091,8 @@ void reduce_backward(TensorView grad_out, TensorView feats, TensorView order, Te
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_keys, muspace::voxel::group_keys);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_from_sorted, muspace::voxel::group_from_sorted);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_workspace_ints, muspace::voxel::group_workspace_ints);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_bitmap, muspace::voxel::group_bitmap);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_bitmap_workspace_ints,
+                              muspace::voxel::bitmap_workspace_ints);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_reduce_forward, muspace::voxel::reduce_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_reduce_backward, muspace::voxel::reduce_backward);

@@ -9,17 +9,21 @@ the two primitives it is made of:
   its backward (max: the whole gradient to the first point holding the maximum, mmcv's
   tie rule).
 
-Native path: voxel_group is csrc/voxel/dynamic_scatter_musa.mu's mixed-radix coordinate keys
-(column maxima measured on the device), a stable torch.sort of them (the platform's radix sort:
-CUB under CUDA, torch_musa's under MUSA; the kernels' own 3-pass radix sort took 125 of the
-grouping's 161 us for 300k points on the H200, 2026-12-01), the runs of equal keys and one emit
-kernel; one host synchronisation (the voxel count: the output size). segment_reduce is one
+Native path: voxel_group is csrc/voxel/dynamic_scatter_musa.mu's bitmap grouping (GROUPING
+"bitmap"): mixed-radix coordinate keys over the column maxima measured on the device, a bitmap of
+the key range whose popcounts rank the occupied voxels in sorted-coordinate order, the points
+placed by voxel and each voxel's points sorted in input order (in registers or by a warp), with
+no sort of the points; one host synchronisation (the voxel count, read while the last kernels
+run). Where the key range exceeds the bitmap or a voxel holds more points than the warp
+selection takes, it hands back to the sort grouping: a stable torch.sort of the keys (CUB's
+radix sort under CUDA, torch_musa's under MUSA) and the runs of equal keys. segment_reduce is one
 kernel per direction, no atomics, no synchronisation. Deterministic in both directions. The
 backward needs no re-sort: the grouping is an input of segment_reduce.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -35,7 +39,21 @@ _REDUCE_CODE = {"sum": 0, "mean": 1, "max": 2}
 FEAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 NATIVE_FEAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_NATIVE_NDIM = 4
-GROUP_ENTRY_POINTS = ("voxel_group_keys", "voxel_group_from_sorted", "voxel_group_workspace_ints")
+GROUP_ENTRY_POINTS = (
+    "voxel_group_bitmap",
+    "voxel_group_bitmap_workspace_ints",
+    "voxel_group_keys",
+    "voxel_group_from_sorted",
+    "voxel_group_workspace_ints",
+)
+# The native grouping: "bitmap" (voxel_group_bitmap: a bitmap of the key range ranks the
+# voxels, no sort of the points; it hands back to "sort" for a key range beyond its bitmap or
+# a voxel of more than voxel_group.bitmap_max_points_per_voxel rows) or "sort"
+# (voxel_group_keys, the platform's stable sort, voxel_group_from_sorted). Both give the same
+# bits. MUSPACE_VOXEL_GROUP=sort selects the sort for a process (benchmarks); tests set the
+# attribute.
+GROUPING = os.environ.get("MUSPACE_VOXEL_GROUP", "bitmap")
+_PACKED_K = 1 << 31  # voxel_group_bitmap returns m + k * 2^31
 REDUCE_ENTRY_POINTS = ("segment_reduce_forward", "segment_reduce_backward")
 
 
@@ -154,11 +172,26 @@ def _group_native(c, coors) -> VoxelGroups:
     starts = _opdef.new_output(coors, (n,), torch.int32)
     counts = _opdef.new_output(coors, (n,), torch.int32)
     p2v = _opdef.new_output(coors, (n,), torch.int32)
+    st = stream_handle(coors)
+    if GROUPING != "sort":
+        ints = int(native.function("voxel_group_bitmap_workspace_ints")(n))
+        workspace = torch.empty(ints, dtype=torch.int32, device=coors.device)
+        packed = int(
+            native.function("voxel_group_bitmap")(
+                coors, workspace, voxel_coors, order, starts, counts, p2v, st
+            )
+        )  # the one host synchronisation: the voxel count
+        if packed >= 0:
+            m, k = packed % _PACKED_K, packed // _PACKED_K
+            return VoxelGroups(
+                voxel_coors.resize_(m, ndim), order.resize_(k), starts.resize_(m),
+                counts.resize_(m), p2v,
+            )  # fmt: skip
+        # the key range exceeds the bitmap, or a voxel is too crowded: the sort grouping
     header = _opdef.new_output(coors, (3,), torch.int64)
     ints = int(native.function("voxel_group_workspace_ints")(n))
     workspace = torch.empty(ints, dtype=torch.int32, device=coors.device)
     keys = torch.empty(n, dtype=torch.int32, device=coors.device)
-    st = stream_handle(coors)
     native.function("voxel_group_keys")(coors, workspace, keys, st)
     # the platform's stable sort (CUB's radix sort under CUDA, torch_musa's under MUSA) on the
     # same stream, in place of the kernels' own 3-pass radix sort (module docstring)

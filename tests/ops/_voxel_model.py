@@ -371,3 +371,91 @@ def pillar_canvas(
                                     canvas[off + k] = feats_bits[p, c] if p >= 0 else zero
                                     writes[off + k] += 1
     return canvas.reshape(B, C, ny, nx), writes.reshape(B, C, ny, nx), K
+
+
+BITMAP_MAX_POINTS_PER_VOXEL = 1024  # kBitmapMaxPointsPerVoxel
+
+
+def _popcount(words: np.ndarray) -> np.ndarray:
+    return np.array([bin(int(x)).count("1") for x in words.reshape(-1)], dtype=np.int64)
+
+
+def voxel_group_bitmap(coors, cap_keys: int, *, seed=0):
+    """voxel_group_bitmap (csrc/voxel/dynamic_scatter_musa.mu), kernel by kernel, with the
+    atomics of bitmap_mark_kernel and bitmap_rank_kernel in random orders of the rows (`seed`):
+    (voxel_coors, order, starts, counts, point2voxel) cut to M / K, and the fallback flag (1:
+    the key range exceeds cap_keys or a value int32; 2: a voxel of more than
+    BITMAP_MAX_POINTS_PER_VOXEL rows), in which case the outputs are None."""
+    rng = np.random.default_rng(seed)
+    c = coors.numpy().astype(np.int64)
+    n, ndim = c.shape
+    valid = (c >= 0).all(axis=1)
+    # colmax_kernel
+    overflow = bool((c[valid] > INT_MAX).any())
+    colmax = np.where(c[valid] > INT_MAX, 0, c[valid]).max(axis=0) if valid.any() else 0
+    dims = np.zeros(ndim, dtype=np.int64) + colmax + 1
+    # bitmap_zero_kernel: key_range
+    key_range = 1
+    for d in dims:
+        key_range *= int(d)
+        if key_range > cap_keys:
+            break
+    if overflow or key_range > cap_keys:
+        return None, 1
+    n_words = (key_range + 31) // 32
+    words = np.zeros(n_words, dtype=np.uint64)
+    # bitmap_mark_kernel (atomicOr: the order does not matter)
+    key = np.zeros(n, dtype=np.int64)
+    for col in range(ndim):
+        key = key * dims[col] + np.where(valid, c[:, col], 0)
+    for i in rng.permutation(n):
+        if valid[i]:
+            words[key[i] >> 5] |= np.uint64(1) << np.uint64(key[i] & 31)
+    # bitmap_count_kernel: per word its popcount's exclusive prefix inside its 32-word block,
+    # per block the count (every block of the capacity, zero beyond the range)
+    pc = _popcount(words)
+    padded = np.zeros((n_words + 31) // 32 * 32, dtype=np.int64)
+    padded[:n_words] = pc
+    per_block = padded.reshape(-1, 32)
+    word_prefix = (np.cumsum(per_block, axis=1) - per_block).reshape(-1)[:n_words]
+    block_counts = np.zeros(cap_keys >> 10, dtype=np.int64)
+    block_counts[: per_block.shape[0]] = per_block.sum(axis=1)
+    prefix, m = exclusive_scan(block_counts)  # the block scan: M is its total
+    # bitmap_rank_kernel, its atomicAdd in a random order
+    p2v = np.full(n, -1, dtype=np.int64)
+    counts = np.zeros(n, dtype=np.int64)
+    pos = np.zeros(n, dtype=np.int64)
+    vcoors = np.full((n, ndim), -7, dtype=np.int64)
+    crowded = False
+    for i in rng.permutation(n):
+        if not valid[i]:
+            continue
+        k = int(key[i])
+        below = int(words[k >> 5]) & ((1 << (k & 31)) - 1)
+        v = int(prefix[k >> 10]) + int(word_prefix[k >> 5]) + bin(below).count("1")
+        p2v[i] = v
+        pos[i] = counts[v]
+        counts[v] += 1
+        crowded |= pos[i] >= BITMAP_MAX_POINTS_PER_VOXEL
+        if pos[i] == 0:
+            vcoors[v] = c[i]
+    if crowded:
+        return None, 2
+    starts, _ = exclusive_scan(counts)  # the count scan
+    # bitmap_place_kernel
+    lst = np.full(n, -7, dtype=np.int64)
+    for i in range(n):
+        if p2v[i] >= 0:
+            lst[starts[p2v[i]] + pos[i]] = i
+    # stable_rank_kernel
+    order = np.full(n, -7, dtype=np.int64)
+    for i in range(n):
+        v = p2v[i]
+        if v < 0:
+            continue
+        s, cnt = int(starts[v]), int(counts[v])
+        r = int((lst[s : s + cnt] < i).sum()) if cnt > 1 else 0
+        order[s + r] = i
+    K = int(valid.sum())
+    out = (vcoors[:m], order[:K], starts[:m], counts[:m], p2v)
+    return tuple(torch.from_numpy(np.asarray(t)) for t in out), 0

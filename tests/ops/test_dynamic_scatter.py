@@ -27,7 +27,7 @@ from mu_space.ops.dynamic_scatter import (
 )
 from mu_space.ops.voxel_layers import DynamicScatter
 from mu_space.testing import lidar
-from tests.helpers import assert_close, native_gpu_device
+from tests.helpers import assert_close, native_gpu_device, recording_entry_points
 from tests.ops import _voxel_model as model
 from tests.ops import _voxel_oracle as oracle
 
@@ -299,6 +299,38 @@ def test_kernel_model_group_overflow_and_all_dropped():
     assert got[4].tolist() == [-1, -1]
 
 
+@pytest.mark.parametrize("with_batch,dtype", [(False, torch.int32), (True, torch.int64)])
+def test_kernel_model_bitmap_group_equals_reference(with_batch, dtype):
+    """The numpy model of voxel_group_bitmap (its atomics in random orders) gives the
+    reference's grouping exactly, with and without voxels of 45 and more rows."""
+    _, coors = _inputs(clouds=2 if with_batch else 1, with_batch=with_batch)
+    crowd = coors[(coors >= 0).all(1)][:3].repeat(45, 1)  # 3 voxels of >= 45 rows each
+    gen = torch.Generator().manual_seed(4)
+    for case in (coors, torch.cat((coors, crowd))[torch.randperm(len(coors) + 135, generator=gen)]):
+        case = case.to(dtype)
+        want = voxel_group(case, backend="reference")
+        for seed in (0, 1):
+            got, fallback = model.voxel_group_bitmap(case, 1 << 24, seed=seed)
+            assert fallback == 0
+            for a, b in zip(got, want):
+                assert torch.equal(a, b.to(torch.int64))
+
+
+def test_kernel_model_bitmap_group_hands_back_to_the_sort():
+    """The bitmap grouping's fallbacks: a key range beyond the bitmap, an int32 overflow, a
+    voxel of more rows than its limit; and all rows dropped (M = 0, no fallback)."""
+    _, coors = _inputs()
+    assert model.voxel_group_bitmap(coors, 1 << 10)[1] == 1  # tiny-voxels' range > 1024 keys
+    huge = torch.tensor([[0, 2**31 + 3, 5], [0, 1, 5]])
+    assert model.voxel_group_bitmap(huge, 1 << 24)[1] == 1
+    limit = model.BITMAP_MAX_POINTS_PER_VOXEL
+    one = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    assert model.voxel_group_bitmap(one.repeat(limit, 1), 1 << 24)[1] == 0
+    assert model.voxel_group_bitmap(one.repeat(limit + 1, 1), 1 << 24)[1] == 2
+    got, fallback = model.voxel_group_bitmap(torch.tensor([[-1, 0, 0], [0, -1, 2]]), 1 << 24)
+    assert fallback == 0 and [t.shape[0] for t in got] == [0, 0, 0, 0, 2]
+
+
 # ---------------------------------------------------------------- native (GPU)
 
 
@@ -344,6 +376,85 @@ def test_native_group_handles_huge_coordinates_and_int64():
         got = voxel_group(c.to(device), backend="native")  # key range overflow: reference inside
         for a, b in zip(got, want):
             assert torch.equal(a.cpu(), b)
+
+
+def _expect_bitmap(coors_cpu) -> bool:
+    """Whether voxel_group_bitmap keeps a grouping (else it hands back to the sort): the key
+    range within its bitmap and no voxel above its row limit."""
+    from mu_space.runtime import native
+
+    valid = coors_cpu[(coors_cpu >= 0).all(1)].long()
+    if valid.numel() == 0:
+        return True
+    if int(valid.max()) > 2**31 - 1:
+        return False
+    key_range = 1
+    for d in valid.max(0).values.tolist():
+        key_range *= d + 1
+    n = coors_cpu.shape[0]
+    cap = min(max(512 * n, 1 << 24), native.limit("voxel_group.bitmap_max_keys"))
+    cap = (cap + 1023) // 1024 * 1024  # bitmap_keys in csrc/voxel/dynamic_scatter_musa.mu
+    counts = voxel_group(coors_cpu, backend="reference").counts
+    crowded = counts.numel() and int(counts.max()) > native.limit(
+        "voxel_group.bitmap_max_points_per_voxel"
+    )
+    return key_range <= cap and not crowded
+
+
+def _native_groupings_equal(coors_cpu, device, monkeypatch):
+    """voxel_group's native bitmap grouping, its sort grouping and the reference: the same
+    values; the bitmap entry point is called first and the sort runs only where it hands back."""
+    want = voxel_group(coors_cpu, backend="reference")
+    names = recording_entry_points(monkeypatch)
+    with _opdef.poisoned_outputs():
+        got = voxel_group(coors_cpu.to(device), backend="native")
+    bitmap = _expect_bitmap(coors_cpu)
+    assert "voxel_group_bitmap" in names, names
+    assert ("voxel_group_keys" in names) == (not bitmap), names
+    monkeypatch.setattr(ds, "GROUPING", "sort")
+    names.clear()
+    with _opdef.poisoned_outputs():
+        sort = voxel_group(coors_cpu.to(device), backend="native")
+    assert "voxel_group_bitmap" not in names and "voxel_group_keys" in names, names
+    monkeypatch.setattr(ds, "GROUPING", "bitmap")
+    for a, b, c in zip(got, sort, want):
+        assert torch.equal(a.cpu(), c) and torch.equal(b.cpu(), c)
+    return bitmap
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config", ["centerpoint-0075-nus", "pointpillars-kitti", "pointpillars-nus", "tiny-voxels"]
+)
+@pytest.mark.parametrize("with_batch,dtype", [(False, torch.int32), (True, torch.int64)])
+def test_native_bitmap_grouping_equals_the_sort_grouping(config, with_batch, dtype, monkeypatch):
+    device = native_gpu_device()
+    _, coors = _inputs(config, clouds=2 if with_batch else 1, with_batch=with_batch)
+    took_bitmap = _native_groupings_equal(coors.to(dtype), device, monkeypatch)
+    if config != "pointpillars-nus":  # its 10-sweep pillars may hold > 1024 points
+        assert took_bitmap
+
+
+@pytest.mark.gpu
+def test_native_bitmap_grouping_crowded_voxels_and_fallbacks(monkeypatch):
+    """Voxels of 1 to 1024 rows, one of 1025 (the sort grouping), a key range beyond the bitmap,
+    all rows dropped, one row."""
+    device = native_gpu_device()
+    _, coors = _inputs()
+    gen = torch.Generator().manual_seed(8)
+    kept = coors[(coors >= 0).all(1)]
+    from mu_space.runtime import native
+
+    limit = native.limit("voxel_group.bitmap_max_points_per_voxel")
+    new_voxel = kept.max(0).values + 1  # a voxel of exactly `rows` rows
+    for rows in (1, 8, 9, 32, 33, 100, limit, limit + 1):
+        case = torch.cat((coors, new_voxel[None].repeat(rows, 1)))
+        case = case[torch.randperm(case.shape[0], generator=gen)]
+        assert _native_groupings_equal(case, device, monkeypatch) == (rows <= limit), rows
+    wide = torch.tensor([[0, 40000, 40000], [1, 0, 7], [1, 0, 7], [-1, 3, 3]], dtype=torch.int32)
+    assert not _native_groupings_equal(wide, device, monkeypatch)  # 2 * 40001^2 keys
+    assert _native_groupings_equal(torch.tensor([[-1, 0, 0], [0, -1, 2]]), device, monkeypatch)
+    assert _native_groupings_equal(kept[:1], device, monkeypatch)
 
 
 def _native_grouping(device, duplicate=False):
@@ -407,6 +518,41 @@ def _max_feats(n, channels, dtype, seed):
     feats[3::11, channels - 1] = float("nan")
     feats[5::29, channels // 2] = -float("inf")
     return torch.cat((feats, feats)).to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+@pytest.mark.parametrize("channels", [4, 5, 8, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_native_forward_vectorised_and_fallback(reduce, channels, dtype, aligned):
+    """The forward's 16-byte pieces (C % 4 == 0 for float32, C % 8 == 0 for 16-bit types,
+    aligned feats / out / argmax) and its per-element kernel (other C, feats and out one element
+    into larger buffers) write every element, bit-identical to the reference, argmax included."""
+    from mu_space.runtime import native
+    from mu_space.runtime.device import stream_handle
+
+    device = native_gpu_device()
+    _, _, grouping = _native_grouping(device, duplicate=True)
+    order, starts, counts, p2v = grouping
+    n, m = p2v.shape[0], starts.shape[0]
+    feats = _max_feats(n, channels, dtype, seed=channels + 1)
+    f = _poisoned((n, channels), dtype, device, aligned)
+    f.copy_(feats.to(device))
+    out = _poisoned((m, channels), dtype, device, aligned)
+    argmax = None
+    if reduce == "max":
+        argmax = torch.full((m, channels), -7, dtype=torch.int32, device=device)
+    native.function("segment_reduce_forward")(
+        f, order, starts, counts, out, argmax, ds._REDUCE_CODE[reduce], stream_handle(f)
+    )
+    cpu = tuple(t.cpu() for t in grouping)
+    want = ds.segment_reduce_reference(feats, *cpu, reduce)
+    assert torch.equal(out.cpu().isnan(), want.isnan())
+    assert torch.equal(out.cpu().nan_to_num(), want.nan_to_num())
+    if argmax is not None:
+        _, arg = ds._max_and_arg(feats, ds._masked_voxel(cpu[3], m), m)
+        assert torch.equal(argmax.cpu().long(), torch.where(arg < n, arg, -1))
 
 
 @pytest.mark.gpu

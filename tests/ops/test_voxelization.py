@@ -20,7 +20,7 @@ import mu_space
 from mu_space.ops import _voxel
 from mu_space.ops.voxel_layers import PointToVoxel, Voxelization
 from mu_space.testing import lidar
-from tests.helpers import graph_capture_device, native_gpu_device
+from tests.helpers import graph_capture_device, native_gpu_device, recording_entry_points
 from tests.ops import _voxel_model as model
 from tests.ops import _voxel_oracle as oracle
 
@@ -482,25 +482,6 @@ def test_native_hard_equals_reference(config, V, dtype):
     _equal(again, got)  # deterministic=False: the same bits
 
 
-def _recording_entry_points(monkeypatch) -> list[str]:
-    from mu_space.runtime import native
-
-    names: list[str] = []
-    real = native.function
-
-    def function(name):
-        fn = real(name)
-
-        def call(*args):
-            names.append(name)
-            return fn(*args)
-
-        return call
-
-    monkeypatch.setattr(native, "function", function)
-    return names
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("config,V", _gpu_cases())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -516,7 +497,7 @@ def test_native_hashed_grouping_equals_the_sort_grouping(config, V, dtype, monke
         "batch": lambda: mu_space.voxelization_batch(clouds, vs, pcr, P, V, backend="native"),
         "padded": lambda: mu_space.voxelization_padded(clouds[1], vs, pcr, P, V, backend="native"),
     }
-    names = _recording_entry_points(monkeypatch)
+    names = recording_entry_points(monkeypatch)
     hashed = {}
     for k, f in calls.items():
         names.clear()
@@ -539,7 +520,7 @@ def test_native_hashed_crowded_voxels_and_large_max_points(monkeypatch):
     from mu_space.runtime import native
 
     limit = native.limit("voxelization.hashed_max_points_per_voxel")
-    names = _recording_entry_points(monkeypatch)
+    names = recording_entry_points(monkeypatch)
     for P in (1, 31, 32, 33, 100, limit, limit + 1):
         names.clear()
         _equal(
