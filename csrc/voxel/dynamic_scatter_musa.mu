@@ -230,8 +230,8 @@ __global__ void __launch_bounds__(kBlock)
 // Only the order of the atomics depends on the schedule; every output value does not. Fallback:
 // the caller runs the sort grouping (voxel_group_keys / sort / voxel_group_from_sorted).
 
-constexpr int kFallback = 8;    // header: why the bitmap grouping cannot (1 range, 2 crowded)
-constexpr int kKeyRange = 9;    // header: prod(max + 1), as bitmap_zero_kernel computed it
+constexpr int kFallback = 8;  // header: why the bitmap grouping cannot (1 range, 2 crowded)
+constexpr int kKeyRange = 9;  // header: prod(max + 1), as bitmap_zero_kernel computed it
 constexpr int kBitmapHeaderInts = 16;  // copied to the host as 8 int64 words
 constexpr int kBlockKeysLog2 = 10;     // keys per block count: 32 words
 constexpr int kBlockWords = 32;
@@ -285,9 +285,8 @@ __global__ void __launch_bounds__(kBlock)
 
 template <typename I>
 __global__ void __launch_bounds__(kBlock)
-    bitmap_mark_kernel(const I* __restrict__ coors, int n, int ndim,
-                       const int* __restrict__ header, uint32_t* __restrict__ bitmap,
-                       uint32_t* __restrict__ keys) {
+    bitmap_mark_kernel(const I* __restrict__ coors, int n, int ndim, const int* __restrict__ header,
+                       uint32_t* __restrict__ bitmap, uint32_t* __restrict__ keys) {
   if (header[kFallback] != 0) return;
   int64_t dims[kMaxNdim];
   for (int c = 0; c < ndim; ++c) dims[c] = static_cast<int64_t>(header[kColMax + c]) + 1;
@@ -481,9 +480,9 @@ constexpr int kPiece = 16 / static_cast<int>(sizeof(T));
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
     segment_reduce_vec_kernel(const T* __restrict__ feats, int n, int channels,
-                              const int* __restrict__ order, int k,
-                              const int* __restrict__ starts, const int* __restrict__ counts,
-                              int m, int reduce, T* __restrict__ out, int* __restrict__ argmax) {
+                              const int* __restrict__ order, int k, const int* __restrict__ starts,
+                              const int* __restrict__ counts, int m, int reduce,
+                              T* __restrict__ out, int* __restrict__ argmax) {
   constexpr int kVec = kPiece<T>;
   const int pieces = channels / kVec;
   const int64_t total = static_cast<int64_t>(m) * pieces;
@@ -857,8 +856,8 @@ int64_t bitmap_workspace_ints(int64_t n) {
 // than kBitmapMaxPointsPerVoxel rows): the caller then runs the sort grouping. The one host
 // synchronisation: the header, copied after the rank kernel while the rest runs.
 int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_coors,
-                     TensorView order, TensorView starts, TensorView counts,
-                     TensorView point2voxel, int64_t stream) {
+                     TensorView order, TensorView starts, TensorView counts, TensorView point2voxel,
+                     int64_t stream) {
   const int64_t n = check_group_coors(coors);
   const int64_t ndim = coors.size(1);
   check_input(voxel_coors, "voxel_coors", coors, coors.dtype());
@@ -914,18 +913,16 @@ int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_co
         data_of<int>(counts), ws + l.pos, data_of<I>(voxel_coors));
     check_launch("voxel_group bitmap_rank_kernel");
   });
-  header = start_readback(reinterpret_cast<const int64_t*>(head), kBitmapHeaderInts / 2,
-                          device_id, st);
+  header =
+      start_readback(reinterpret_cast<const int64_t*>(head), kBitmapHeaderInts / 2, device_id, st);
   exclusive_scan(data_of<int>(counts), data_of<int>(starts), n, ws + l.sums, nullptr, st,
                  "voxel_group count scan", scan::kFineScanItems);
   bitmap_place_kernel<<<grid, kBlock, 0, st>>>(head, ni, data_of<const int>(point2voxel),
-                                               ws + l.pos, data_of<const int>(starts),
-                                               ws + l.list);
+                                               ws + l.pos, data_of<const int>(starts), ws + l.list);
   check_launch("voxel_group bitmap_place_kernel");
-  stable_rank_kernel<<<grid, kBlock, 0, st>>>(head, ni, data_of<const int>(point2voxel),
-                                              data_of<const int>(starts),
-                                              data_of<const int>(counts), ws + l.list,
-                                              data_of<int>(order));
+  stable_rank_kernel<<<grid, kBlock, 0, st>>>(
+      head, ni, data_of<const int>(point2voxel), data_of<const int>(starts),
+      data_of<const int>(counts), ws + l.list, data_of<int>(order));
   check_launch("voxel_group stable_rank_kernel");
   const int* h = reinterpret_cast<const int*>(finish_readback(header));
   if (h[kFallback] != 0) return -1;
