@@ -83,6 +83,12 @@ def collect(path: str) -> dict:
         [coors, wsg, vec, np.zeros(n, i64), coors.copy(), vec.copy(), vec.copy(), vec.copy(),
          vec.copy(), np.zeros(3, i64), 0],
     )  # fmt: skip
+    wsb = np.zeros(int(lib["voxel_group_bitmap_workspace_ints"](n)), i32)
+    cases["voxel_group_bitmap"] = _battery(
+        lib,
+        "voxel_group_bitmap",
+        [coors, wsb, coors.copy(), vec.copy(), vec.copy(), vec.copy(), vec.copy(), 0],
+    )
     m = 3
     feats, order, starts = np.zeros((n, C), f32), np.zeros(n, i32), np.zeros(m, i32)
     cases["segment_reduce_forward"] = _battery(

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import mu_space
-from mu_space.ops import _voxel
+from mu_space.ops import _opdef, _voxel
 from mu_space.testing import lidar
-from tests.helpers import native_gpu_device
+from tests.helpers import graph_capture_device, native_gpu_device
 from tests.ops import _voxel_oracle as oracle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,6 +137,52 @@ def test_native_matches_reference(config, B, channels, dtype):
     fr = feats.clone().requires_grad_(True)
     mu_space.pillar_scatter(fr, coors, B, shape, backend="reference").backward(g)
     assert torch.equal(f.grad.cpu(), fr.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config,B", [("pointpillars-kitti", 1), ("tiny-pillars", 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_duplicates_and_rows_outside(config, B, dtype):
+    """The native forward gives the reference's bits (outputs poisoned first) with duplicate
+    cells (the highest row wins), rows outside the canvas or of another batch."""
+    device = native_gpu_device()
+    feats, coors, B, (ny, nx) = _pillars(config, B, 64, dtype)
+    dup = coors.clone()
+    dup[1::5] = dup[::5][: dup[1::5].shape[0]]
+    dup[2::9, 2] = ny
+    dup[3::11, 0] = B
+    dup[4::13, 3] = -1
+    for c in (coors, dup, dup.flip(0)):
+        want = mu_space.pillar_scatter(feats, c, B, (ny, nx), backend="reference")
+        with _opdef.poisoned_outputs():
+            got = mu_space.pillar_scatter(
+                feats.to(device), c.to(device), B, (ny, nx), backend="native"
+            )
+        assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_native_forward_is_cuda_graph_capturable():
+    """Captured once, replayed with new features and coordinates in the captured buffers: the
+    reference's canvas each replay."""
+    device = graph_capture_device()
+    feats, coors, B, shape = _pillars("tiny-pillars", 2, 16)
+    f, c = feats.to(device), coors.to(device)
+    mu_space.pillar_scatter(f, c, B, shape, backend="native")  # warm-up outside the capture
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mu_space.pillar_scatter(f, c, B, shape, backend="native")
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        new_f = torch.randn(feats.shape, generator=gen)
+        new_c = coors[torch.randperm(coors.shape[0], generator=gen)]
+        f.copy_(new_f.to(device))
+        c.copy_(new_c.to(device))
+        graph.replay()
+        torch.cuda.synchronize(device)
+        want = mu_space.pillar_scatter(new_f, new_c, B, shape, backend="reference")
+        assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ ENTRY_POINTS = (
     "voxel_hard_keys",
     "voxel_hard_forward",
     "voxel_dynamic_forward",
+    "voxel_group_bitmap",
     "voxel_group_keys",
     "voxel_group_from_sorted",
     "segment_reduce_forward",
@@ -96,11 +97,13 @@ def test_voxelization_entry_points_accept_the_python_arguments(calls, dtype, gro
     assert calls == hard * 3 + ["voxel_dynamic_forward"] * 2
 
 
+@pytest.mark.parametrize("grouping", ["bitmap", "sort"])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
-def test_scatter_entry_points_accept_the_python_arguments(calls, reduce):
+def test_scatter_entry_points_accept_the_python_arguments(calls, reduce, grouping, monkeypatch):
     import mu_space
 
     ds = sys.modules["mu_space.ops.dynamic_scatter"]
+    monkeypatch.setattr(ds, "GROUPING", grouping)
     pts, coors = ds._dynamic_coors("cpu")
     with pytest.raises(ReachedRuntime):
         _native("voxel_group", coors)
@@ -117,7 +120,12 @@ def test_scatter_entry_points_accept_the_python_arguments(calls, reduce):
     grad = torch.ones(g.starts.shape[0], pts.shape[1])
     with pytest.raises(ReachedRuntime):
         op.d.backward.native(c, grad, *schema, needs=(True,), deterministic=False)
-    assert calls == ["voxel_group_keys", "voxel_group_from_sorted"] * 2 + [
+    group = (
+        ["voxel_group_bitmap"]
+        if grouping == "bitmap"
+        else ["voxel_group_keys", "voxel_group_from_sorted"]
+    )
+    assert calls == group * 2 + [
         "segment_reduce_forward",
         "segment_reduce_backward",
     ]
