@@ -50,8 +50,8 @@ GROUP_ENTRY_POINTS = (
 # voxels, no sort of the points; it hands back to "sort" for a key range beyond its bitmap or
 # a voxel of more than voxel_group.bitmap_max_points_per_voxel rows) or "sort"
 # (voxel_group_keys, the platform's stable sort, voxel_group_from_sorted). Both give the same
-# bits. MUSPACE_DYNAMIC_SCATTER_GROUPING=sort selects the sort for a process (benchmarks); tests set the
-# attribute.
+# bits. MUSPACE_DYNAMIC_SCATTER_GROUPING=sort selects the sort for a process (benchmarks);
+# tests set the attribute.
 GROUPING = os.environ.get("MUSPACE_DYNAMIC_SCATTER_GROUPING", "bitmap")
 _PACKED_K = 1 << 31  # voxel_group_bitmap returns m + k * 2^31
 REDUCE_ENTRY_POINTS = ("segment_reduce_forward", "segment_reduce_backward")
