@@ -72,11 +72,6 @@ constexpr int kCellStartBlocksPerSM = 32;
 constexpr int64_t kMaxPointsPerQuery = 1 << 20;  // levels * points, keeps index math in int32
 MUSPACE_LIMIT(multi_scale_deformable_attn, max_level_points, kMaxPointsPerQuery);
 
-// All lanes of a warp take part in every shuffle (loops are warp-uniform); the mask is derived
-// from the warp width (32 lanes on NVIDIA, 128 on MUSA mp_21/22 where the API keeps a 32-bit
-// mask that stands for the whole warp).
-constexpr unsigned kFullMask = kWarpSize >= 32 ? ~0u : ((1u << kWarpSize) - 1u);
-
 // The gather kernels load every corner of a batch of samples into Vecs first and convert / use
 // them afterwards: a conversion right behind its load would make the next corner's load wait
 // for this one (seen in the float16 SASS: four dependent round trips per sample instead of one).

@@ -243,7 +243,6 @@ MUSPACE_LIMIT(voxel_group, bitmap_max_keys, kBitmapMaxKeys);
 constexpr int kBitmapMaxPointsPerVoxel = 1024;
 MUSPACE_LIMIT(voxel_group, bitmap_max_points_per_voxel, kBitmapMaxPointsPerVoxel);
 constexpr uint32_t kDroppedKey = 0xFFFFFFFFu;  // keys < 2^30
-constexpr unsigned kFullMask = kWarpSize >= 32 ? ~0u : ((1u << kWarpSize) - 1u);
 
 // The key range the caller's bitmap can hold for n rows (a multiple of the block size).
 int64_t bitmap_keys(int64_t n) {
@@ -906,8 +905,8 @@ int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_co
     bitmap_count_kernel<<<blocks_for(l.keys_cap / 32, device_id), kBlock, 0, st>>>(
         head, bitmap, word_prefix, blocks);
     check_launch("voxel_group bitmap_count_kernel");
-    exclusive_scan(blocks, blocks, n_blocks, ws + l.block_sums, head + kVoxels, st,
-                   "voxel_group block scan", scan::kFineScanItems);
+    exclusive_scan<scan::kFineScanItems>(blocks, blocks, n_blocks, ws + l.block_sums,
+                                         head + kVoxels, st, "voxel_group block scan");
     bitmap_rank_kernel<I><<<grid, kBlock, 0, st>>>(
         rows, ni, nd, head, bitmap, word_prefix, blocks, keys, data_of<int>(point2voxel),
         data_of<int>(counts), ws + l.pos, data_of<I>(voxel_coors));
@@ -915,8 +914,8 @@ int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_co
   });
   header =
       start_readback(reinterpret_cast<const int64_t*>(head), kBitmapHeaderInts / 2, device_id, st);
-  exclusive_scan(data_of<int>(counts), data_of<int>(starts), n, ws + l.sums, nullptr, st,
-                 "voxel_group count scan", scan::kFineScanItems);
+  exclusive_scan<scan::kFineScanItems>(data_of<int>(counts), data_of<int>(starts), n, ws + l.sums,
+                                       nullptr, st, "voxel_group count scan");
   bitmap_place_kernel<<<grid, kBlock, 0, st>>>(head, ni, data_of<const int>(point2voxel),
                                                ws + l.pos, data_of<const int>(starts), ws + l.list);
   check_launch("voxel_group bitmap_place_kernel");

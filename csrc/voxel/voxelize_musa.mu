@@ -266,7 +266,6 @@ constexpr int64_t kHashedMaxPointsPerVoxel = 1024;
 MUSPACE_LIMIT(voxelization, hashed_max_points_per_voxel, kHashedMaxPointsPerVoxel);
 constexpr int64_t kHashedMaxPoints = int64_t{1} << 29;  // the hash table's cap <= 2^30
 MUSPACE_LIMIT(voxelization, hashed_max_points, kHashedMaxPoints);
-constexpr unsigned kFullMask = kWarpSize >= 32 ? ~0u : ((1u << kWarpSize) - 1u);
 
 // The slot table: one 16-byte entry per slot, so the insert's probe, compare-and-swap, minimum
 // and count, and the later reads of a slot, touch one sector. key / first / count start as -1

@@ -380,6 +380,17 @@ def _popcount(words: np.ndarray) -> np.ndarray:
     return np.array([bin(int(x)).count("1") for x in words.reshape(-1)], dtype=np.int64)
 
 
+def colmax_kernel(coors):
+    """dynamic_scatter_musa.mu's colmax_kernel (both voxel_group paths): (the rows as int64, the
+    valid-row mask (no negative entry), dims = the column maxima of the valid rows + 1 (0 without
+    any; a value beyond int32 does not count), the int32 overflow flag)."""
+    c = coors.numpy().astype(np.int64)
+    valid = (c >= 0).all(axis=1)
+    overflow = bool((c[valid] > INT_MAX).any())
+    colmax = np.where(c[valid] > INT_MAX, 0, c[valid]).max(axis=0) if valid.any() else 0
+    return c, valid, np.zeros(c.shape[1], dtype=np.int64) + colmax + 1, overflow
+
+
 def voxel_group_bitmap(coors, cap_keys: int, *, seed=0):
     """voxel_group_bitmap (csrc/voxel/dynamic_scatter_musa.mu), kernel by kernel, with the
     atomics of bitmap_mark_kernel and bitmap_rank_kernel in random orders of the rows (`seed`):
@@ -387,13 +398,8 @@ def voxel_group_bitmap(coors, cap_keys: int, *, seed=0):
     the key range exceeds cap_keys or a value int32; 2: a voxel of more than
     BITMAP_MAX_POINTS_PER_VOXEL rows), in which case the outputs are None."""
     rng = np.random.default_rng(seed)
-    c = coors.numpy().astype(np.int64)
+    c, valid, dims, overflow = colmax_kernel(coors)
     n, ndim = c.shape
-    valid = (c >= 0).all(axis=1)
-    # colmax_kernel
-    overflow = bool((c[valid] > INT_MAX).any())
-    colmax = np.where(c[valid] > INT_MAX, 0, c[valid]).max(axis=0) if valid.any() else 0
-    dims = np.zeros(ndim, dtype=np.int64) + colmax + 1
     # bitmap_zero_kernel: key_range
     key_range = 1
     for d in dims:

@@ -188,13 +188,8 @@ def _model_group(coors):
     colmax, keys; the Python layer's stable sort; voxel_group_from_sorted: run flags + scan,
     emit, counts): (voxel_coors, order, starts, counts, point2voxel) cut to the header's M / K,
     and the overflow flag."""
-    c = coors.numpy().astype(np.int64)
+    c, valid, dims, overflow = model.colmax_kernel(coors)
     n, ndim = c.shape
-    valid = (c >= 0).all(axis=1)
-    # colmax_kernel: column maxima of the valid rows (0 without any), int32 overflow flag
-    overflow = bool((c[valid] > INT32_MAX).any())
-    colmax = np.where(c[valid] > INT32_MAX, 0, c[valid]).max(axis=0) if valid.any() else 0
-    dims = np.zeros(ndim, dtype=np.int64) + colmax + 1
     key_range = 1
     for d in dims:  # group_keys_kernel: prod(dims), stopped once beyond the int32 keys
         key_range = key_range * int(d) if key_range <= INT32_MAX - 1 else key_range

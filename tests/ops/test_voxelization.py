@@ -365,16 +365,22 @@ def _check_padded_model(single, cloud, vs, pcr, P, V):
     assert (single[1][m:] == -1).all() and not single[0][m:].any() and not single[2][m:].any()
 
 
-@pytest.mark.parametrize("config,P,V", [("tiny-voxels", 5, 1500), ("tiny-pillars", 3, 150)])
-def test_kernel_model_hard(config, P, V):
-    """_voxel_model mirrors the native pipeline (keys, the stable sort, runs, first-point scan,
-    per-sample counts, rows, emit)."""
+def _model_inputs(config, P, V):
+    """Two clouds of `config` batched: (vs, pcr, clouds, points, sizes, grid, the reference's
+    batched hard voxelization)."""
     vs, pcr, _, _ = lidar.layer_args(config)
     clouds = lidar.batch(lidar.VOXEL_CONFIGS[config].cloud, 2)
     pts = torch.cat(clouds)
     sizes = [c.shape[0] for c in clouds]
     grid = _voxel.voxel_grid(vs, pcr)
-    want = _voxel.hard_voxelize_reference(pts, grid, P, V, sizes)
+    return vs, pcr, clouds, pts, sizes, grid, _voxel.hard_voxelize_reference(pts, grid, P, V, sizes)
+
+
+@pytest.mark.parametrize("config,P,V", [("tiny-voxels", 5, 1500), ("tiny-pillars", 3, 150)])
+def test_kernel_model_hard(config, P, V):
+    """_voxel_model mirrors the native pipeline (keys, the stable sort, runs, first-point scan,
+    per-sample counts, rows, emit)."""
+    vs, pcr, clouds, pts, sizes, grid, want = _model_inputs(config, P, V)
     got = model.hard_voxelize(pts, grid, P, V, sizes)
     _equal(got[:3], want[:3])
     single = model.hard_voxelize(clouds[0], grid, P, V, None, padded_rows=V + 7)
@@ -388,12 +394,7 @@ def test_kernel_model_hashed(config, P, V, warp):
     selection): with the atomics run in three random orders, the direct and the open-addressing
     table, 32- and 128-lane warps (MUSA mp_21 / mp_22), its outputs are the reference's; and the
     padded mode's padding rows."""
-    vs, pcr, _, _ = lidar.layer_args(config)
-    clouds = lidar.batch(lidar.VOXEL_CONFIGS[config].cloud, 2)
-    pts = torch.cat(clouds)
-    sizes = [c.shape[0] for c in clouds]
-    grid = _voxel.voxel_grid(vs, pcr)
-    want = _voxel.hard_voxelize_reference(pts, grid, P, V, sizes)
+    vs, pcr, clouds, pts, sizes, grid, want = _model_inputs(config, P, V)
     for seed, force_hash in ((0, False), (1, True), (2, True)):
         got = model.hard_voxelize_hashed(
             pts, grid, P, V, sizes, warp=warp, seed=seed, force_hash=force_hash
