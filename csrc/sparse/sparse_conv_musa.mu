@@ -26,6 +26,21 @@
 //                       reference) | a row outside its side.
 //   sparse_conv_im2col  cols[r, k C + c] = src[map[r, k], c] (0 where map is -1): the GEMM
 //                       operand of map's rows, in src's dtype or float32, VEC-wide loads.
+//   sparse_conv_implicit_gemm
+//                       out[r, :] = sum_k src[map[r, k], :] @ weight[k] (float32 accumulation):
+//                       the im2col GEMM without the cols buffer. A block computes a 64-row x BN
+//                       tile, stepping through (offset k, 16 input channels): the gathered rows
+//                       and the weight slice go to shared memory (double-buffered: one barrier per
+//                       step, the next step's global loads in flight during the multiply), and a
+//                       step in which none of the tile's 64 rows has a neighbour is skipped.
+//                       Each output element is one thread's sum in (k, channel) order: no atomics,
+//                       deterministic.
+//   sparse_conv_implicit_wgrad
+//                       grad_weight[k] = sum_r src[map[r, k]]^T grad[r] without the cols buffer:
+//                       a block per (4 offsets, 16 input channels, BN output columns, split of
+//                       the rows), the rows staged 32 at a time in shared memory (the 4 offsets
+//                       share the grad rows), per-split partial sums in a workspace, then one
+//                       thread per weight element adds the splits in order: deterministic.
 //
 // Every data-dependent row is bounds-checked: a bad row gathers zeros / is skipped.
 
@@ -228,6 +243,259 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// ------------------------------------------------------------------------- implicit GEMM
+
+constexpr int kGemmThreads = 256;
+constexpr int kGemmRows = 64;   // BM: output rows per block
+constexpr int kGemmDepth = 16;  // BK: input channels per step
+constexpr int kGemmRowPad = 4;  // a_tile's row stride 68 floats: 16-byte rows, 2-way store banks
+
+// One block: rows [row0, row0 + 64) x columns [n0, n0 + BN) of out. Thread roles: loading, the
+// A vector (row m = tid / 4, channels 4 (tid % 4) ..), the B elements tid + i * 256; multiplying,
+// the 4 x TN micro tile at rows 4 ty, columns TN tx (16 column groups).
+template <typename T, typename OutT, int BN, bool kVecA>
+__global__ void __launch_bounds__(kGemmThreads)
+    implicit_gemm_kernel(const T* __restrict__ src, int64_t n_src, int c_in,
+                         const int* __restrict__ map, int k_volume, int64_t rows,
+                         const T* __restrict__ weight, int c_out, OutT* __restrict__ out) {
+  constexpr int TM = 4;
+  constexpr int TN = BN / 16;
+  constexpr int kBPerThread = kGemmDepth * BN / kGemmThreads;  // 1, 2 or 4
+  static_assert(kGemmRows * kGemmDepth == 4 * kGemmThreads, "one A vector of 4 per thread");
+  static_assert(kBPerThread >= 1 && kGemmDepth * BN % kGemmThreads == 0, "B tile split");
+  alignas(16) __shared__ float a_tile[2][kGemmDepth][kGemmRows + kGemmRowPad];
+  alignas(16) __shared__ float b_tile[2][kGemmDepth][BN];
+  // flag[s & 1] == s: some row of the tile has a neighbour at step s. A thread writes flag[s & 1]
+  // again at step s + 2, after the barrier of step s + 1, which every reader of step s passed.
+  __shared__ int flag[2];
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kGemmRows;
+  const int n0 = static_cast<int>(blockIdx.y) * BN;
+  const int load_m = tid >> 2;
+  const int load_c = (tid & 3) * 4;
+  const int64_t load_row = row0 + load_m;
+  const int chunks = (c_in + kGemmDepth - 1) / kGemmDepth;
+  const int steps = k_volume * chunks;
+  if (tid < 2) flag[tid] = -1;
+
+  float a_reg[4];
+  float b_reg[kBPerThread];
+  int64_t nbr = -1;
+  auto load_step = [&](int s) {
+    const int k = s / chunks;
+    const int c0 = (s - k * chunks) * kGemmDepth;
+    if (c0 == 0) {
+      nbr = -1;
+      if (load_row < rows) {
+        const int64_t v = map[load_row * k_volume + k];
+        if (v >= 0 && v < n_src) nbr = v;
+      }
+    }
+    const int c = c0 + load_c;
+    if constexpr (kVecA) {  // c_in % 4 == 0 and src 4-element aligned
+      Vec<T, 4> v;
+      v.load_if(nbr >= 0 && c < c_in, src + nbr * c_in + c);
+      v.unpack(a_reg);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        a_reg[i] = nbr >= 0 && c + i < c_in ? to_float(src[nbr * c_in + c + i]) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBPerThread; ++i) {
+      const int e = tid + i * kGemmThreads;
+      const int cc = e / BN;
+      const int n = e - cc * BN;
+      b_reg[i] = c0 + cc < c_in && n0 + n < c_out
+                     ? to_float(weight[(static_cast<int64_t>(k) * c_in + c0 + cc) * c_out + n0 + n])
+                     : 0.0f;
+    }
+  };
+
+  float acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
+  }
+  const int ty = tid / 16;
+  const int tx = tid - ty * 16;
+  __syncthreads();  // flag initialised
+  if (steps > 0) load_step(0);
+  for (int s = 0; s < steps; ++s) {
+    const int buf = s & 1;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a_tile[buf][load_c + i][load_m] = a_reg[i];
+#pragma unroll
+    for (int i = 0; i < kBPerThread; ++i) {
+      const int e = tid + i * kGemmThreads;
+      b_tile[buf][e / BN][e % BN] = b_reg[i];
+    }
+    if (nbr >= 0) flag[buf] = s;
+    __syncthreads();
+    if (s + 1 < steps) load_step(s + 1);
+    if (flag[buf] != s) continue;  // no row of the tile has this offset's neighbour
+    // the step's 16 products summed apart, then added: chains of 16 + K * C_in / 16 additions,
+    // not one of K * C_in (on the H200, 2026-12-02, one chain put an encoder gradient 5.3x
+    // further off float64 than the reference, im2col's cuBLAS GEMM 3.3x)
+    float part[TM][TN];
+#pragma unroll
+    for (int cc = 0; cc < kGemmDepth; ++cc) {
+      float a[TM];
+      float b[TN];
+#pragma unroll
+      for (int i = 0; i < TM; ++i) a[i] = a_tile[buf][cc][ty * TM + i];
+#pragma unroll
+      for (int j = 0; j < TN; ++j) b[j] = b_tile[buf][cc][tx * TN + j];
+#pragma unroll
+      for (int i = 0; i < TM; ++i) {
+#pragma unroll
+        for (int j = 0; j < TN; ++j) part[i][j] = cc ? fmaf(a[i], b[j], part[i][j]) : a[i] * b[j];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] += part[i][j];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+    const int64_t r = row0 + ty * TM + i;
+    if (r >= rows) continue;
+#pragma unroll
+    for (int j = 0; j < TN; ++j) {
+      const int n = n0 + tx * TN + j;
+      if (n < c_out) out[r * c_out + n] = from_float<OutT>(acc[i][j]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------- implicit GEMM: dweight
+
+constexpr int kWgradOffsets = 4;    // KG: offsets per block (they share the grad rows)
+constexpr int kWgradRows = 32;      // rows per step
+constexpr int kWgradChannels = 16;  // input channels per block
+
+// partial[s, k, ci, co] = sum over the rows r of split s of src[map[r, k], ci] * grad[r, co]
+// (0 where map is -1). A block: offsets k0 .. k0 + 3, input channels ci0 .. ci0 + 15, output
+// columns n0 .. n0 + BN, rows [split * rows_per_split, ...). Thread: offset kg = tid / 64, input
+// channel ci = tid / 4 % 16, BN / 4 output columns from (tid % 4) * BN / 4. The rows go through
+// shared memory 32 at a time (loaded, barrier, multiplied, barrier): each partial is one
+// thread's sum in row order.
+template <typename T, int BN, bool kVec>
+__global__ void __launch_bounds__(kGemmThreads)
+    wgrad_partial_kernel(const T* __restrict__ src, int64_t n_src, int c_in,
+                         const int* __restrict__ map, int k_volume, const T* __restrict__ grad,
+                         int c_out, int64_t rows, int64_t rows_per_split, int ci_blocks,
+                         int n_blocks, float* __restrict__ partial) {
+  constexpr int TN = BN / 4;
+  constexpr int kAVectors = kWgradOffsets * kWgradRows * kWgradChannels / 4;  // 512
+  constexpr int kGElements = kWgradRows * BN;
+  static_assert(kAVectors % kGemmThreads == 0, "A split");
+  static_assert(kGElements % kGemmThreads == 0, "grad split");
+  alignas(16) __shared__ float a_tile[kWgradOffsets][kWgradRows][kWgradChannels];
+  alignas(16) __shared__ float g_tile[kWgradRows][BN];
+  __shared__ int flag[kWgradOffsets];
+
+  const int tid = static_cast<int>(threadIdx.x);
+  int b = static_cast<int>(blockIdx.x);
+  const int nb = b % n_blocks;
+  b /= n_blocks;
+  const int cb = b % ci_blocks;
+  const int k0 = (b / ci_blocks) * kWgradOffsets;
+  const int n0 = nb * BN;
+  const int ci0 = cb * kWgradChannels;
+  const int64_t r_begin = static_cast<int64_t>(blockIdx.y) * rows_per_split;
+  const int64_t r_end = r_begin + rows_per_split < rows ? r_begin + rows_per_split : rows;
+
+  const int kg = tid / 64;
+  const int ci = tid / 4 % 16;
+  const int col = (tid % 4) * TN;
+  if (tid < kWgradOffsets) flag[tid] = -1;
+  float acc[TN];
+#pragma unroll
+  for (int j = 0; j < TN; ++j) acc[j] = 0.0f;
+  __syncthreads();
+
+  int tile = 0;
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kWgradRows, ++tile) {
+#pragma unroll
+    for (int i = 0; i < kAVectors / kGemmThreads; ++i) {
+      const int e = tid + i * kGemmThreads;  // (offset, row, 4 channels)
+      const int q = e % (kWgradChannels / 4);
+      const int m = e / (kWgradChannels / 4) % kWgradRows;
+      const int g = e / (kWgradChannels / 4 * kWgradRows);
+      const int k = k0 + g;
+      const int64_t r = r0 + m;
+      int64_t nbr = -1;
+      if (k < k_volume && r < r_end) {
+        const int64_t v = map[r * k_volume + k];
+        if (v >= 0 && v < n_src) nbr = v;
+      }
+      const int c = ci0 + q * 4;
+      float f[4];
+      if constexpr (kVec) {
+        Vec<T, 4> v;
+        v.load_if(nbr >= 0 && c < c_in, src + nbr * c_in + c);
+        v.unpack(f);
+      } else {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          f[t] = nbr >= 0 && c + t < c_in ? to_float(src[nbr * c_in + c + t]) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < 4; ++t) a_tile[g][m][q * 4 + t] = f[t];
+      if (nbr >= 0) flag[g] = tile;
+    }
+#pragma unroll
+    for (int i = 0; i < kGElements / kGemmThreads; ++i) {
+      const int e = tid + i * kGemmThreads;
+      const int m = e / BN;
+      const int n = e - m * BN;
+      const int64_t r = r0 + m;
+      g_tile[m][n] = r < r_end && n0 + n < c_out ? to_float(grad[r * c_out + n0 + n]) : 0.0f;
+    }
+    __syncthreads();
+    if (flag[kg] == tile) {  // (uniform over an offset's 64 threads: whole 32-lane warps)
+      float part[TN];  // the tile's 32 rows summed apart, then added (see implicit_gemm_kernel)
+#pragma unroll
+      for (int j = 0; j < TN; ++j) part[j] = 0.0f;
+#pragma unroll 8
+      for (int m = 0; m < kWgradRows; ++m) {
+        const float a = a_tile[kg][m][ci];
+#pragma unroll
+        for (int j = 0; j < TN; ++j) part[j] = fmaf(a, g_tile[m][col + j], part[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[j] += part[j];
+    }
+    __syncthreads();
+  }
+  const int k = k0 + kg;
+  if (k >= k_volume || ci0 + ci >= c_in) return;
+  float* dst = partial + ((static_cast<int64_t>(blockIdx.y) * k_volume + k) * c_in + ci0 + ci) *
+                             static_cast<int64_t>(c_out);
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+    if (n0 + col + j < c_out) dst[n0 + col + j] = acc[j];
+  }
+}
+
+// grad_weight[e] = sum over s of partial[s, e], in split order.
+__global__ void __launch_bounds__(kBlock)
+    sum_splits_kernel(const float* __restrict__ partial, int64_t splits, int64_t n,
+                      float* __restrict__ out) {
+  for (int64_t e = global_thread(); e < n; e += global_threads()) {
+    float s = 0.0f;
+    for (int64_t t = 0; t < splits; ++t) s += partial[t * n + e];
+    out[e] = s;
+  }
+}
+
 // ------------------------------------------------------------------------------ entry points
 
 void pairs_check_entry(TensorView indice_pairs, TensorView indice_pair_num, TensorView header,
@@ -423,6 +691,166 @@ void im2col_entry(TensorView src, TensorView map, TensorView cols, int64_t strea
   });
 }
 
+// src [R, C_in] float32 / float16 / bfloat16; map [rows, K] int32 (-1: no neighbour); weight
+// [K, C_in, C_out] of src's dtype; out [rows, C_out] of src's dtype or float32.
+void implicit_gemm_entry(TensorView src, TensorView map, TensorView weight, TensorView out,
+                         int64_t stream) {
+  check_gpu_tensor(src, "src");
+  check_float_dtype(src, "src");
+  check_contiguous(src, "src");
+  check_ndim(src, "src", 2);
+  check_rows(src.size(0), "src");
+  check_input(map, "map", src, kInt32);
+  check_ndim(map, "map", 2);
+  const int64_t k_volume = map.size(1);
+  if (k_volume < 1 || k_volume > kMaxRuleBookVolume) {
+    TVM_FFI_THROW(ValueError) << "map.shape[1] (K) must be in [1, " << kMaxRuleBookVolume
+                              << "], got " << k_volume;
+  }
+  check_rows(map.size(0), "map");
+  check_device(weight, "weight", src);
+  if (!same_dtype(weight.dtype(), src.dtype())) {
+    TVM_FFI_THROW(TypeError) << "weight must have the dtype of src (" << dtype_name(src.dtype())
+                             << "), got " << dtype_name(weight.dtype());
+  }
+  check_input(weight, "weight", src, src.dtype());
+  check_ndim(weight, "weight", 3);
+  check_size(weight, "weight", 0, k_volume);
+  check_size(weight, "weight", 1, src.size(1));
+  check_device(out, "out", src);
+  if (!same_dtype(out.dtype(), src.dtype()) && !same_dtype(out.dtype(), kFloat32)) {
+    TVM_FFI_THROW(TypeError) << "out must have the dtype of src (" << dtype_name(src.dtype())
+                             << ") or float32, got " << dtype_name(out.dtype());
+  }
+  check_contiguous(out, "out");
+  check_ndim(out, "out", 2);
+  check_size(out, "out", 0, map.size(0));
+  check_size(out, "out", 1, weight.size(2));
+  const int64_t c_in = src.size(1);
+  const int64_t c_out = weight.size(2);
+  const int64_t rows = map.size(0);
+  if (c_in > INT_MAX || c_out > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "channels must be at most " << INT_MAX;
+  }
+  if (rows == 0 || c_out == 0) return;
+  const int device_id = src.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  const int bn = c_out <= 16 ? 16 : (c_out <= 32 ? 32 : 64);
+  const dim3 grid(static_cast<unsigned>((rows + kGemmRows - 1) / kGemmRows),
+                  static_cast<unsigned>((c_out + bn - 1) / bn));
+  if (c_in == 0) {  // an empty sum
+    launch_zero(data_of(out), out.numel() * element_bytes(out), device_id, st,
+                "sparse_conv_implicit_gemm (no input channels)");
+    return;
+  }
+  const bool to_float = !same_dtype(out.dtype(), src.dtype());
+  dispatch_float(src, "src", [&](auto tag) {
+    using T = decltype(tag);
+    const bool vec_a = pick_vec(c_in, 4, {{data_of(src), static_cast<int>(sizeof(T))}}) == 4;
+    dispatch_bools(
+        [&](auto as_float, auto vec) {
+          using OutT = std::conditional_t<decltype(as_float)::value, float, T>;
+          constexpr bool kVecA = decltype(vec)::value;
+          dispatch_int<16, 32, 64>(bn, [&](auto b) {
+            constexpr int BN = decltype(b)::value;
+            implicit_gemm_kernel<T, OutT, BN, kVecA><<<grid, kGemmThreads, 0, st>>>(
+                data_of<const T>(src), src.size(0), static_cast<int>(c_in), data_of<const int>(map),
+                static_cast<int>(k_volume), rows, data_of<const T>(weight), static_cast<int>(c_out),
+                data_of<OutT>(out));
+            check_launch("sparse_conv_implicit_gemm implicit_gemm_kernel");
+          });
+        },
+        to_float, vec_a);
+  });
+}
+
+// src [R, C_in] (float32 / float16 / bfloat16); map [rows, K] int32; grad [rows, C_out] of src's
+// dtype; partial [S, K, C_in, C_out] float32 (workspace; S splits of the rows, S from the
+// caller); grad_weight [K, C_in, C_out] float32 = sum over rows of src[map[r, k]]^T grad[r].
+void implicit_wgrad_entry(TensorView src, TensorView map, TensorView grad, TensorView partial,
+                          TensorView grad_weight, int64_t stream) {
+  check_gpu_tensor(src, "src");
+  check_float_dtype(src, "src");
+  check_contiguous(src, "src");
+  check_ndim(src, "src", 2);
+  check_rows(src.size(0), "src");
+  check_input(map, "map", src, kInt32);
+  check_ndim(map, "map", 2);
+  const int64_t k_volume = map.size(1);
+  if (k_volume < 1 || k_volume > kMaxRuleBookVolume) {
+    TVM_FFI_THROW(ValueError) << "map.shape[1] (K) must be in [1, " << kMaxRuleBookVolume
+                              << "], got " << k_volume;
+  }
+  check_rows(map.size(0), "map");
+  check_device(grad, "grad", src);
+  if (!same_dtype(grad.dtype(), src.dtype())) {
+    TVM_FFI_THROW(TypeError) << "grad must have the dtype of src (" << dtype_name(src.dtype())
+                             << "), got " << dtype_name(grad.dtype());
+  }
+  check_input(grad, "grad", src, src.dtype());
+  check_ndim(grad, "grad", 2);
+  check_size(grad, "grad", 0, map.size(0));
+  const int64_t c_in = src.size(1);
+  const int64_t c_out = grad.size(1);
+  if (c_in > INT_MAX || c_out > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "channels must be at most " << INT_MAX;
+  }
+  check_input(grad_weight, "grad_weight", src, kFloat32);
+  check_ndim(grad_weight, "grad_weight", 3);
+  check_size(grad_weight, "grad_weight", 0, k_volume);
+  check_size(grad_weight, "grad_weight", 1, c_in);
+  check_size(grad_weight, "grad_weight", 2, c_out);
+  check_input(partial, "partial", src, kFloat32);
+  check_ndim(partial, "partial", 4);
+  const int64_t splits = partial.size(0);
+  if (splits < 1 || splits > 65535) {
+    TVM_FFI_THROW(ValueError) << "partial.shape[0] (splits) must be in [1, 65535], got " << splits;
+  }
+  check_size(partial, "partial", 1, k_volume);
+  check_size(partial, "partial", 2, c_in);
+  check_size(partial, "partial", 3, c_out);
+  const int64_t rows = map.size(0);
+  const int64_t n = grad_weight.numel();
+  if (n == 0) return;
+  const int device_id = src.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  // rows per split: a multiple of the 32-row step, so only the last split has a partial step
+  int64_t per_split = (rows + splits - 1) / splits;
+  per_split = (per_split + kWgradRows - 1) / kWgradRows * kWgradRows;
+  const int bn = c_out <= 16 ? 16 : (c_out <= 32 ? 32 : 64);
+  const int64_t k_blocks = (k_volume + kWgradOffsets - 1) / kWgradOffsets;
+  const int64_t ci_blocks = (c_in + kWgradChannels - 1) / kWgradChannels;
+  const int64_t n_blocks = (c_out + bn - 1) / bn;
+  if (k_blocks * ci_blocks * n_blocks > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "K x C_in x C_out is too large for sparse_conv_implicit_wgrad";
+  }
+  const dim3 grid(static_cast<unsigned>(k_blocks * ci_blocks * n_blocks),
+                  static_cast<unsigned>(splits));
+  dispatch_float(src, "src", [&](auto tag) {
+    using T = decltype(tag);
+    const bool vec = pick_vec(c_in, 4, {{data_of(src), static_cast<int>(sizeof(T))}}) == 4;
+    dispatch_bools(
+        [&](auto v) {
+          constexpr bool kVec = decltype(v)::value;
+          dispatch_int<16, 32, 64>(bn, [&](auto b) {
+            constexpr int BN = decltype(b)::value;
+            wgrad_partial_kernel<T, BN, kVec><<<grid, kGemmThreads, 0, st>>>(
+                data_of<const T>(src), src.size(0), static_cast<int>(c_in), data_of<const int>(map),
+                static_cast<int>(k_volume), data_of<const T>(grad), static_cast<int>(c_out), rows,
+                per_split, static_cast<int>(ci_blocks), static_cast<int>(n_blocks),
+                data_of<float>(partial));
+            check_launch("sparse_conv_implicit_wgrad wgrad_partial_kernel");
+          });
+        },
+        vec);
+  });
+  sum_splits_kernel<<<rows_blocks(n, device_id), kBlock, 0, st>>>(
+      data_of<const float>(partial), splits, n, data_of<float>(grad_weight));
+  check_launch("sparse_conv_implicit_wgrad sum_splits_kernel");
+}
+
 }  // namespace
 }  // namespace sparse
 }  // namespace muspace
@@ -432,3 +860,5 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_gather, muspace::sparse::gather_entry)
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_scatter, muspace::sparse::scatter_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_maps, muspace::sparse::maps_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_im2col, muspace::sparse::im2col_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_implicit_gemm, muspace::sparse::implicit_gemm_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_implicit_wgrad, muspace::sparse::implicit_wgrad_entry);

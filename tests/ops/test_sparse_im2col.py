@@ -70,7 +70,25 @@ def _scatter(products, pairs, counts, acc, side, st):
         start += c
 
 
+def _implicit_gemm(src, neighbour_map, weight, out, st):
+    n, c = src.shape
+    rows = neighbour_map.long()
+    rows = rows.where((rows >= 0) & (rows < n), n)  # -1 / outside -> the zero row
+    padded = torch.cat((src.float(), torch.zeros(1, c)))
+    out.copy_(torch.einsum("rkc,kcn->rn", padded[rows], weight.float()).to(out.dtype))
+
+
+def _implicit_wgrad(src, neighbour_map, grad, partial, grad_weight, st):
+    n, c = src.shape
+    rows = neighbour_map.long()
+    rows = rows.where((rows >= 0) & (rows < n), n)
+    padded = torch.cat((src.float(), torch.zeros(1, c)))
+    grad_weight.copy_(torch.einsum("rkc,rn->kcn", padded[rows], grad.float()))
+
+
 KERNELS = {
+    "sparse_conv_implicit_gemm": _implicit_gemm,
+    "sparse_conv_implicit_wgrad": _implicit_wgrad,
     "sparse_conv_maps": _maps,
     "sparse_conv_im2col": _im2col,
     "sparse_pairs_check": _pairs_check,
@@ -134,18 +152,30 @@ CASES = {
     "subm": dict(subm=True),
     "strided": dict(subm=False),
     "inverse": dict(subm=False, inverse=True, c_in=8, c_out=4),
+    "wide": dict(subm=True, c_in=4, c_out=24),  # auto: the weight gradient by im2col
 }
 
 
+@pytest.mark.parametrize("gemm", ["im2col", "implicit", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [1 << 26, 7 * 27 * 8, 1])  # one chunk, several, a row each
 @pytest.mark.parametrize("case", list(CASES))
-def test_im2col_path_matches_the_reference(emulated, monkeypatch, case, chunk, dtype):
+def test_im2col_path_matches_the_reference(emulated, monkeypatch, case, chunk, dtype, gemm):
     monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", chunk)
+    monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", gemm)
     f, w, p, n, m, inv = sparse_conv.sample_case("cpu", **CASES[case])
     args = (f.to(dtype), w.to(dtype), p, n, m, inv)
     (got, got_g), (want, want_g) = _run(args)
     assert "sparse_conv_gather" not in emulated  # the im2col path ran
+    # implicit: the forward and the input gradient by sparse_conv_implicit_gemm, the weight
+    # gradient by sparse_conv_implicit_wgrad, no cols; im2col: no implicit GEMM; auto: float32
+    # implicit, the weight gradient too up to WGRAD_MAX_COLUMNS output channels
+    c_out = w.shape[2]
+    implicit = gemm == "implicit" or (gemm == "auto" and dtype == torch.float32)
+    implicit_w = gemm == "implicit" or (implicit and c_out <= _sparse_native.WGRAD_MAX_COLUMNS)
+    assert emulated.count("sparse_conv_implicit_gemm") == (2 if implicit else 0)
+    assert emulated.count("sparse_conv_implicit_wgrad") == (1 if implicit_w else 0)
+    assert ("sparse_conv_im2col" in emulated) != implicit_w
     assert got.dtype == want.dtype and got_g[0].dtype == got_g[1].dtype == dtype
     tolerances.assert_close(got, want, op="sparse_conv")
     tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
@@ -199,7 +229,7 @@ def test_a_rulebook_native_subm_rule_book_needs_no_synchronisation(emulated):
     emulated.syncs = 0
     c = sparse_conv._check(f, w, p, n, m, inv)
     got = _sparse_native.conv_native(c, f, w, p, n, m, inv)
-    assert not emulated.syncs and emulated == ["sparse_conv_maps", "sparse_conv_im2col"]
+    assert not emulated.syncs and emulated == ["sparse_conv_maps", "sparse_conv_implicit_gemm"]
     tolerances.assert_close(got, sparse_conv.sparse_conv_reference(f, w, p, n, m, inv),
                             op="sparse_conv")  # fmt: skip
 

@@ -190,6 +190,7 @@ def test_im2col_conv_matches_the_reference(
     partial last one)."""
     from mu_space.ops import _sparse_native
 
+    monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", "im2col")  # float32 too
     if chunk == "chunked":
         monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", 1 << 16)
     args, x, w = _im2col_case(layer, c_in, c_out, inverse, dtype, rule_book)
@@ -206,11 +207,13 @@ def test_im2col_conv_matches_the_reference(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gemm", ["im2col", "implicit"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_im2col_conv_is_bit_exact_under_deterministic_algorithms(monkeypatch, dtype):
+def test_im2col_conv_is_bit_exact_under_deterministic_algorithms(monkeypatch, dtype, gemm):
     from mu_space.ops import _sparse_native
 
     monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", 1 << 16)  # several chunks
+    monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", gemm)
     args, x, w = _im2col_case("subm k3", 32, 32, False, dtype)
     torch.use_deterministic_algorithms(True)
     try:
@@ -226,8 +229,9 @@ def test_im2col_conv_is_bit_exact_under_deterministic_algorithms(monkeypatch, dt
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # im2col, implicit GEMM
 @pytest.mark.parametrize("layer", ["subm k3", "strided k3 s2 p1"])
-def test_im2col_conv_of_a_native_rule_book_does_not_synchronise(layer):
+def test_im2col_conv_of_a_native_rule_book_does_not_synchronise(layer, dtype):
     """A rule book from the native sparse_rulebook is valid by construction: its convolutions
     (maps, forward, backward) read nothing back from the GPU."""
     import importlib
@@ -235,10 +239,10 @@ def test_im2col_conv_of_a_native_rule_book_does_not_synchronise(layer):
     from mu_space.ops import _sparse_native
 
     conv_module = importlib.import_module("mu_space.ops.sparse_conv")
-    args, x, w = _im2col_case(layer, 16, 16, False, torch.float16)
+    args, x, w = _im2col_case(layer, 16, 16, False, dtype)
     x, w = x.detach(), w.detach()
     c = conv_module._check(x, w, *args)
-    g = _feats(args[2], 16, torch.float16, 15)
+    g = _feats(args[2], 16, dtype, 15)
     _sparse_native.gemm_dtype(x)  # the one-time probe of torch.mm's out_dtype, outside
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
@@ -254,6 +258,157 @@ def test_im2col_conv_of_a_native_rule_book_does_not_synchronise(layer):
     tolerances.assert_close(out, want, op="sparse_conv")
     want_g = conv_module.sparse_conv_backward_reference(g, x, w, *args)
     tolerances.assert_close(grads, want_g, op="sparse_conv", name="grad")
+
+
+# ------------------------------------------------------------------ the implicit GEMM
+
+IMPLICIT_CONVS = [
+    *IM2COL_CONVS,
+    ("subm k3", 64, 128, False),  # 4 channel steps per offset, 2 column blocks
+    ("subm k3", 20, 70, False),  # a partial channel step (vector loads), a partial column block
+    ("subm k3", 3, 1, False),  # scalar loads, one output column
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("layer", "c_in", "c_out", "inverse"), IMPLICIT_CONVS)
+def test_implicit_gemm_conv_matches_the_reference(monkeypatch, layer, c_in, c_out, inverse,
+                                                  dtype):  # fmt: skip
+    """sparse_conv_implicit_gemm for the forward and the input gradient, sparse_conv_implicit_wgrad
+    for the weight gradient (every dtype forced: MUSPACE_SPARSE_CONV_GEMM=implicit), within the
+    tolerance table; no im2col anywhere."""
+    from mu_space.ops import _sparse_native
+    from tests.helpers import recording_entry_points
+
+    monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", "implicit")
+    args, x, w = _im2col_case(layer, c_in, c_out, inverse, dtype)
+    want = sparse_conv(x, w, *args, backend="reference")
+    called = recording_entry_points(monkeypatch)
+    with _opdef.poisoned_outputs():
+        got = sparse_conv(x, w, *args, backend="native")
+    assert called.count("sparse_conv_implicit_gemm") == 1
+    assert "sparse_conv_im2col" not in called
+    tolerances.assert_close(got, want, op="sparse_conv")
+    g = _feats(len(want), c_out, dtype, 13)
+    want_g = torch.autograd.grad(want, (x, w), g)
+    with _opdef.poisoned_outputs():
+        got_g = torch.autograd.grad(got, (x, w), g)
+    assert called.count("sparse_conv_implicit_gemm") == 2  # + the input gradient
+    assert called.count("sparse_conv_implicit_wgrad") == 1 and "sparse_conv_im2col" not in called
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
+def _gathered_products(src, neighbour_map, weight):
+    """float64 sum_k src[map[:, k]] @ weight[k], 0 where map is -1 or not a row of src."""
+    n, c = src.shape
+    rows = neighbour_map.long()
+    rows = rows.where((rows >= 0) & (rows < n), n)
+    padded = torch.cat((src.double(), src.new_zeros(1, c, dtype=torch.float64)))
+    return torch.einsum("rkc,kcn->rn", padded[rows], weight.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("out_float32", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "K", "c_in", "c_out"),
+    [(1, 1, 1, 1), (130, 27, 16, 16), (65, 8, 33, 65), (200, 3, 4, 32)],
+)
+def test_implicit_gemm_entry_against_float64(dtype, out_float32, rows, K, c_in, c_out):
+    """The entry point on random maps with -1 and out-of-range rows (both gather zeros; the
+    conv never passes the latter), row counts off the 64-row tiles, and an offset no row
+    has (skipped), against float64: one rounding of a float32 sum."""
+    from mu_space.runtime import native
+
+    device = native_gpu_device()
+    n = 50
+    gen = torch.Generator(device="cpu").manual_seed(rows + K + c_in)
+    nbr = torch.randint(-1, n + 3, (rows, K), generator=gen, dtype=torch.int32)
+    nbr[:, K // 2] = -1  # an offset with no neighbour anywhere
+    src = torch.randn(n, c_in, generator=gen).to(device, dtype)
+    w = (torch.randn(K, c_in, c_out, generator=gen) / (K * c_in) ** 0.5).to(device, dtype)
+    nbr = nbr.to(device)
+    out = torch.full((rows, c_out), float("nan"), device=device,
+                     dtype=torch.float32 if out_float32 else dtype)  # fmt: skip
+    native.function("sparse_conv_implicit_gemm")(src, nbr, w, out, 0)
+    assert not out.isnan().any(), "an element of the NaN-poisoned output was not written"
+    want = _gathered_products(src, nbr, w)
+    # float32 accumulation: |error| <= (terms) * 2^-24 * sum |products|, far below 1e-5 of the
+    # largest output; a 16-bit output adds its one rounding (the table's 16-bit row)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+    scale = float(want.abs().max()) + 1e-30
+    err = float((out.double() - want).abs().max())
+    assert out.dtype == (torch.float32 if out_float32 else dtype)
+    limit = 1e-5 if out_float32 else tol[dtype]
+    assert err <= limit * scale, f"max |out - float64| {err:.3g} > {limit} x {scale:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 3, 40])
+@pytest.mark.parametrize(
+    ("rows", "K", "c_in", "c_out"),
+    [(1, 1, 1, 1), (1000, 27, 16, 16), (333, 9, 33, 65), (200, 3, 4, 128)],
+)
+def test_implicit_wgrad_entry_against_float64(dtype, splits, rows, K, c_in, c_out):
+    """The weight gradient entry point: random maps with -1 and out-of-range rows (zeros), an
+    offset no row has, row counts off the 32-row steps, more splits than row steps (empty
+    splits), against float64."""
+    from mu_space.runtime import native
+
+    device = native_gpu_device()
+    n = 60
+    gen = torch.Generator(device="cpu").manual_seed(rows + K + c_in + splits)
+    nbr = torch.randint(-1, n + 3, (rows, K), generator=gen, dtype=torch.int32)
+    nbr[:, K // 2] = -1
+    src = torch.randn(n, c_in, generator=gen).to(device, dtype)
+    grad = torch.randn(rows, c_out, generator=gen).to(device, dtype)
+    nbr = nbr.to(device)
+    partial = torch.full((splits, K, c_in, c_out), float("nan"), device=device)
+    out = torch.full((K, c_in, c_out), float("nan"), device=device)
+    native.function("sparse_conv_implicit_wgrad")(src, nbr, grad, partial, out, 0)
+    rows_l = nbr.long().where((nbr >= 0) & (nbr < n), n)
+    padded = torch.cat((src.double(), torch.zeros(1, c_in, dtype=torch.float64, device=device)))
+    want = torch.einsum("rkc,rn->kcn", padded[rows_l], grad.double())
+    assert not out.isnan().any(), "an element of the NaN-poisoned output was not written"
+    scale = float(want.abs().max()) + 1e-30
+    err = float((out.double() - want).abs().max())
+    # float32 sums of at most `rows` 16-bit or float32 products: far below 1e-5 of the largest
+    assert err <= 1e-5 * scale, f"max |out - float64| {err:.3g} > 1e-5 x {scale:.3g}"
+
+
+@pytest.mark.gpu
+def test_implicit_gemm_entry_rejects_bad_arguments():
+    from mu_space.runtime import native
+
+    device = native_gpu_device()
+    fn = native.function("sparse_conv_implicit_gemm")
+    src = torch.randn(10, 8, device=device)
+    nbr = torch.zeros(4, 27, dtype=torch.int32, device=device)
+    w = torch.randn(27, 8, 16, device=device)
+    out = torch.empty(4, 16, device=device)
+    with pytest.raises(TypeError, match="weight"):
+        fn(src, nbr, w.half(), out, 0)
+    with pytest.raises(ValueError, match="weight"):
+        fn(src, nbr, w[:26].contiguous(), out, 0)
+    with pytest.raises(ValueError, match="out"):
+        fn(src, nbr, w, out[:3].contiguous(), 0)
+    with pytest.raises(TypeError, match="map"):
+        fn(src, nbr.long(), w, out, 0)
+    with pytest.raises(ValueError, match="src"):
+        fn(src.t(), nbr, w, out, 0)
+    wgrad = native.function("sparse_conv_implicit_wgrad")
+    grad = torch.randn(4, 16, device=device)
+    partial = torch.empty(2, 27, 8, 16, device=device)
+    with pytest.raises(TypeError, match="grad"):
+        wgrad(src, nbr, grad.half(), partial, w, 0)
+    with pytest.raises(ValueError, match="partial"):
+        wgrad(src, nbr, grad, partial[:, :26].contiguous(), w, 0)
+    with pytest.raises(ValueError, match="partial"):
+        wgrad(src, nbr, grad, torch.empty(0, 27, 8, 16, device=device), w, 0)
+    with pytest.raises(ValueError, match="grad_weight"):
+        wgrad(src, nbr, grad, partial, w[:, :7].contiguous(), 0)
 
 
 @pytest.mark.gpu

@@ -140,8 +140,17 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
             _sparse_native.im2col(f, out_map[: m // 2], cols_dtype, 0)
     with pytest.raises(ReachedRuntime):  # the input gradient's operand
         _sparse_native.im2col(g, torch.zeros(n_in, K, dtype=torch.int32), dtype, 0)
+    with pytest.raises(ReachedRuntime):  # the implicit GEMM's forward
+        _sparse_native.implicit_gemm(f, out_map, w.contiguous(), dtype, 0)
+    with pytest.raises(ReachedRuntime):  # and input gradient (weight [K, C_out, C_in])
+        in_map = torch.zeros(n_in, K, dtype=torch.int32)
+        _sparse_native.implicit_gemm(g, in_map, w.permute(0, 2, 1).contiguous(), torch.float32, 0)
+    with pytest.raises(ReachedRuntime):  # and weight gradient
+        _sparse_native.implicit_wgrad(f, out_map, g, 0)
     want = ["sparse_conv_maps"] * 3 + ["sparse_pairs_check"]
-    assert calls == want + ["sparse_conv_im2col"] * (len(cols_dtypes) + 1)
+    want += ["sparse_conv_im2col"] * (len(cols_dtypes) + 1) + ["sparse_conv_implicit_gemm"] * 2
+    want += ["sparse_conv_implicit_wgrad"]
+    assert calls == want
     calls.clear()
     counts = n.clamp(0, P).tolist()
     total = sum(counts)
@@ -243,6 +252,21 @@ def _base_cases(lib):
         "sparse_conv_im2col": (
             [feats, np.zeros((m, K), i32), np.zeros((m, K * C), f32), 0],
             ["src", "map", "cols"],
+        ),
+        "sparse_conv_implicit_gemm": (
+            [feats, np.zeros((m, K), i32), np.zeros((K, C, 3), f32), np.zeros((m, 3), f32), 0],
+            ["src", "map", "weight", "out"],
+        ),
+        "sparse_conv_implicit_wgrad": (
+            [
+                feats,
+                np.zeros((m, K), i32),
+                np.zeros((m, 3), f32),
+                np.zeros((2, K, C, 3), f32),
+                np.zeros((K, C, 3), f32),
+                0,
+            ],
+            ["src", "map", "grad", "partial", "grad_weight"],
         ),
         "sparse_maxpool_forward": (
             [feats, pairs, counts, np.zeros((m, C), f32), np.zeros(m, i32), 0],
