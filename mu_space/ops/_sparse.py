@@ -41,6 +41,8 @@ NATIVE_FEATURE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def as_int(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
     """A Python / numpy integer (not a bool) within [lo, hi], else TypeError / ValueError."""
+    if type(value) is int and (lo is None or value >= lo) and (hi is None or value <= hi):
+        return value  # the common case, checked first (bool is a subclass, not this type)
     if isinstance(value, bool) or isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
     try:
@@ -64,6 +66,13 @@ def as_bool(value, name: str) -> bool:
 
 def int_list(value, name: str, ndim: int, lo: int | None = None, hi: int | None = None):
     """An int (repeated ndim times) or a sequence of ndim ints, each within [lo, hi]."""
+    if (
+        type(value) in (list, tuple)
+        and len(value) == ndim
+        and all(type(v) is int and (lo is None or v >= lo) and (hi is None or v <= hi)
+                for v in value)
+    ):  # fmt: skip
+        return list(value)  # the common case: a layer's own lists (~180 per encoder forward)
     if isinstance(value, torch.Tensor):
         value = value.tolist() if value.dim() else int(value)
     if isinstance(value, (list, tuple)):
