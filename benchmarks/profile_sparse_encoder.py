@@ -37,6 +37,8 @@ CATEGORIES = (
     ),
     ("pair counts", r"pair_counts_kernel|pair_rows_kernel"),
     ("neighbour maps", r"neighbour_maps_kernel"),
+    # gather and GEMM in one kernel (the float32 default since 2026-12-02)
+    ("implicit GEMM", r"implicit_gemm_kernel|wgrad_partial_kernel|sum_splits_kernel"),
     ("gather", r"gather_kernel|im2col_kernel|aten::index_select|aten::index\b"),
     ("GEMM", r"gemm|gemv|xmma|cutlass|cublas|nvjet|sm90_|splitKreduce|aten::mm\b|aten::addmm"),
     ("scatter", r"scatter_kernel|aten::index_add"),

@@ -158,6 +158,11 @@ def test_time_breakdown_categories_and_smoke_run(tmp_path):
         "void muspace::sparse::(anonymous namespace)::gather_kernel<float>(...)": "gather",
         "void muspace::sparse::(anonymous namespace)::im2col_kernel<float, 4>(...)": "gather",
         "muspace::sparse::(anonymous namespace)::neighbour_maps_kernel(...)": "neighbour maps",
+        "void muspace::sparse::(anonymous namespace)::implicit_gemm_kernel<float, float, 16, "
+        "true>(...)": "implicit GEMM",
+        "void muspace::sparse::(anonymous namespace)::wgrad_partial_kernel<float, 64, true>(...)": (
+            "implicit GEMM"
+        ),
         "void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4>(...)": "GEMM",
         "void muspace::sparse::(anonymous namespace)::pair_emit_kernel(...)": "rule book",
         "void muspace::sparse::(anonymous namespace)::pair_counts_kernel(...)": "pair counts",
@@ -179,4 +184,7 @@ def test_time_breakdown_categories_and_smoke_run(tmp_path):
     (res,) = json.loads((tmp_path / "profile_sparse_encoder.json").read_text())
     total = sum(res["us_per_step_by_category"].values())
     assert total > 0 and res["backend"] in ("reference", "native")
-    assert {"gather", "GEMM"} <= set(res["us_per_step_by_category"]), res["top_kernels_us_per_step"]
+    categories = set(res["us_per_step_by_category"])
+    # the float32 native forward gathers inside its GEMM kernels
+    fused = "implicit GEMM" in categories
+    assert {"gather", "GEMM"} <= categories or fused, res["top_kernels_us_per_step"]
