@@ -73,7 +73,9 @@ UNVERIFIED = ""
 # sparse_conv's im2col path (sparse_conv_maps, sparse_conv_im2col), new since then: the GPU suite
 # and memcheck clean over test_sparse_native.py (87 tests, the im2col ones included) on the H200,
 # 2026-12-01 (csrc/sparse of e056a11); its kernels use no shared memory, which is all racecheck
-# examines.
+# examines. The implicit GEMMs (sparse_conv_implicit_gemm / _wgrad, 2026-12-02): the GPU suite,
+# memcheck over their 84 tests, racecheck over their entry-point tests and 21 conv cases (H200,
+# runs_2026-12-02_session10 d3 / d4; docs/operators/sparse_conv.md).
 CONV_UNVERIFIED = ""
 RULEBOOK_ENTRY_POINTS = (
     "sparse_rulebook_forward",
