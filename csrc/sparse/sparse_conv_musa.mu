@@ -729,8 +729,17 @@ void implicit_gemm_entry(TensorView src, TensorView map, TensorView weight, Tens
   const int64_t c_in = src.size(1);
   const int64_t c_out = weight.size(2);
   const int64_t rows = map.size(0);
-  if (c_in > INT_MAX || c_out > INT_MAX) {
-    TVM_FFI_THROW(ValueError) << "channels must be at most " << INT_MAX;
+  if (c_in > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "src.shape[1] (C_in) must be at most " << INT_MAX;
+  }
+  // the kernel's int step counter (K x 16-channel steps) and grid.y (64-column blocks)
+  if (k_volume * ((c_in + kGemmDepth - 1) / kGemmDepth) > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "src.shape[1] (C_in = " << c_in << ") x K (" << k_volume
+                              << ") is too large for sparse_conv_implicit_gemm";
+  }
+  if (c_out > 65535LL * 64) {
+    TVM_FFI_THROW(ValueError) << "weight.shape[2] (C_out = " << c_out << ") must be at most "
+                              << 65535LL * 64;
   }
   if (rows == 0 || c_out == 0) return;
   const int device_id = src.device().device_id;

@@ -16,10 +16,14 @@ atomics needed. The backward is the real op `mu_space::sparse_conv_backward`: gr
 = the same loop with weight[k]^T, scattered to the gathered side; grad_weight[k] =
 features[gathered]^T @ grad_out[scattered].
 
-Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_conv_musa.mu): by default
-the im2col path: `sparse_conv_maps` (the rule book's neighbour maps, once per rule book),
-`sparse_conv_im2col` (features[out_map] -> [rows, K C_in]) and one torch.mm per chunk of rows;
-backward cols^T @ grad_out and grad_out[in_map] @ weight^T; no atomics, deterministic. A rule
+Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_conv_musa.mu): the rule
+book's neighbour maps (`sparse_conv_maps`, once per rule book), then for float32 the implicit
+GEMM (`sparse_conv_implicit_gemm`: sum_k features[out_map[:, k]] @ weight[k], the gathered rows
+staged in shared memory; the input gradient the same over in_map with weight^T; the weight
+gradient `sparse_conv_implicit_wgrad` up to 16 output channels), and for float16 / bfloat16 (and
+wider float32 weight gradients) the im2col path: `sparse_conv_im2col` (features[out_map] ->
+[rows, K C_in]) and one torch.mm per chunk of rows; backward cols^T @ grad_out and
+grad_out[in_map] @ weight^T. No atomics, deterministic. A rule
 book listing a row twice in one offset (outside the rule-book invariant) runs the reference.
 Kept for empty sizes and A/B timing, the per-offset path: `sparse_pairs_check` (clamped counts
 and their starts), `sparse_conv_gather`, torch.mm per offset, `sparse_conv_scatter` (plain adds
@@ -33,7 +37,7 @@ import torch
 from mu_space.ops import _opdef, _sparse, _sparse_native
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 
-# maps, im2col (torch.mm after); check, gather, scatter (the per-offset path)
+# maps, im2col (torch.mm after), the implicit GEMMs; check, gather, scatter (the per-offset path)
 ENTRY_POINTS = _sparse_native.IM2COL_ENTRY_POINTS + _sparse_native.PAIR_ENTRY_POINTS
 
 
@@ -99,7 +103,7 @@ def sparse_conv_backward_reference(
 def _precondition(features, weight, indice_pairs, indice_pair_num, num_out, inverse):
     reason = _sparse.pairs_consistent(indice_pairs, indice_pair_num)
     if reason is None and weight.numel() and not bool(torch.isfinite(weight).all()):
-        # the native im2col GEMM multiplies every (output, offset) slot, 0 for a missing
+        # the native GEMMs (im2col, implicit) multiply every (output, offset) slot, 0 for a missing
         # neighbour, so 0 x inf = NaN reaches outputs the reference's pair products never form
         # (as spconv's implicit GEMM does); finite weights: the same results
         reason = "weight has a non-finite entry: which outputs become NaN / inf is unspecified"
@@ -153,7 +157,7 @@ OP = _opdef.define(
         "int num_out, bool inverse) -> Tensor",
         check=_check,
         reference=sparse_conv_reference,
-        native=_sparse_native.conv_native,  # im2col / torch.mm (_sparse_native.py)
+        native=_sparse_native.conv_native,  # implicit GEMM or im2col (_sparse_native.py)
         backward=_opdef.Backward(
             inputs=("features", "weight"),
             reference=sparse_conv_backward_reference,

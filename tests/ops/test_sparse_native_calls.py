@@ -343,6 +343,14 @@ def test_scalar_arguments_out_of_range_are_value_errors(library):
     assert with_arg("sparse_conv_scatter", 2, _shape(*([0] * 26 + [7])))[0] == "ValueError"
     assert with_arg("sparse_maxpool_forward", 2, _shape(1))[0] == "ValueError"  # K counts
     assert with_arg("sparse_pairs_check", 3, -1)[0] == "ValueError"
+    # the implicit GEMM's grid: at most 65535 blocks of 64 output columns (K = 1, C_in = 1, one
+    # row: 17 MB per operand)
+    wide = 65535 * 64 + 1
+    f32 = np.float32
+    args = [np.zeros((3, 1), f32), np.zeros((1, 1), np.int32), np.zeros((1, 1, wide), f32),
+            np.zeros((1, wide), f32)]  # fmt: skip
+    kind, msg = _outcome(library["sparse_conv_implicit_gemm"], [*map(_tensor, args), 0])
+    assert kind == "ValueError" and "weight" in msg, msg
     with pytest.raises(ValueError):
         library["sparse_rulebook_workspace_ints"](4097, 10)
     with pytest.raises(ValueError):
