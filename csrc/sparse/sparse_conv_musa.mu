@@ -639,6 +639,18 @@ void maps_entry(TensorView indice_pairs, TensorView indice_pair_num, TensorView 
   check_launch("sparse_conv_maps neighbour_maps_kernel");
 }
 
+// map [rows, K] int32 on src's device (a neighbour map, -1 for none), 1 <= K <= 4096; returns K.
+int64_t check_neighbour_map(const TensorView& map, const TensorView& src) {
+  check_input(map, "map", src, kInt32);
+  check_ndim(map, "map", 2);
+  const int64_t k_volume = map.size(1);
+  if (k_volume < 1 || k_volume > kMaxRuleBookVolume) {
+    TVM_FFI_THROW(ValueError) << "map.shape[1] (K) must be in [1, " << kMaxRuleBookVolume
+                              << "], got " << k_volume;
+  }
+  return k_volume;
+}
+
 // src [R, C] float32 / float16 / bfloat16; map [rows, K] int32 (a row block of a neighbour
 // map); cols [rows, K * C], src's dtype or float32.
 void im2col_entry(TensorView src, TensorView map, TensorView cols, int64_t stream) {
@@ -647,13 +659,7 @@ void im2col_entry(TensorView src, TensorView map, TensorView cols, int64_t strea
   check_contiguous(src, "src");
   check_ndim(src, "src", 2);
   check_rows(src.size(0), "src");
-  check_input(map, "map", src, kInt32);
-  check_ndim(map, "map", 2);
-  const int64_t k_volume = map.size(1);
-  if (k_volume < 1 || k_volume > kMaxRuleBookVolume) {
-    TVM_FFI_THROW(ValueError) << "map.shape[1] (K) must be in [1, " << kMaxRuleBookVolume
-                              << "], got " << k_volume;
-  }
+  const int64_t k_volume = check_neighbour_map(map, src);
   check_device(cols, "cols", src);
   if (!same_dtype(cols.dtype(), src.dtype()) && !same_dtype(cols.dtype(), kFloat32)) {
     TVM_FFI_THROW(TypeError) << "cols must have the dtype of src (" << dtype_name(src.dtype())
@@ -700,20 +706,9 @@ void implicit_gemm_entry(TensorView src, TensorView map, TensorView weight, Tens
   check_contiguous(src, "src");
   check_ndim(src, "src", 2);
   check_rows(src.size(0), "src");
-  check_input(map, "map", src, kInt32);
-  check_ndim(map, "map", 2);
-  const int64_t k_volume = map.size(1);
-  if (k_volume < 1 || k_volume > kMaxRuleBookVolume) {
-    TVM_FFI_THROW(ValueError) << "map.shape[1] (K) must be in [1, " << kMaxRuleBookVolume
-                              << "], got " << k_volume;
-  }
+  const int64_t k_volume = check_neighbour_map(map, src);
   check_rows(map.size(0), "map");
-  check_device(weight, "weight", src);
-  if (!same_dtype(weight.dtype(), src.dtype())) {
-    TVM_FFI_THROW(TypeError) << "weight must have the dtype of src (" << dtype_name(src.dtype())
-                             << "), got " << dtype_name(weight.dtype());
-  }
-  check_input(weight, "weight", src, src.dtype());
+  check_like(weight, "weight", src, "src");
   check_ndim(weight, "weight", 3);
   check_size(weight, "weight", 0, k_volume);
   check_size(weight, "weight", 1, src.size(1));
@@ -784,20 +779,9 @@ void implicit_wgrad_entry(TensorView src, TensorView map, TensorView grad, Tenso
   check_contiguous(src, "src");
   check_ndim(src, "src", 2);
   check_rows(src.size(0), "src");
-  check_input(map, "map", src, kInt32);
-  check_ndim(map, "map", 2);
-  const int64_t k_volume = map.size(1);
-  if (k_volume < 1 || k_volume > kMaxRuleBookVolume) {
-    TVM_FFI_THROW(ValueError) << "map.shape[1] (K) must be in [1, " << kMaxRuleBookVolume
-                              << "], got " << k_volume;
-  }
+  const int64_t k_volume = check_neighbour_map(map, src);
   check_rows(map.size(0), "map");
-  check_device(grad, "grad", src);
-  if (!same_dtype(grad.dtype(), src.dtype())) {
-    TVM_FFI_THROW(TypeError) << "grad must have the dtype of src (" << dtype_name(src.dtype())
-                             << "), got " << dtype_name(grad.dtype());
-  }
-  check_input(grad, "grad", src, src.dtype());
+  check_like(grad, "grad", src, "src");
   check_ndim(grad, "grad", 2);
   check_size(grad, "grad", 0, map.size(0));
   const int64_t c_in = src.size(1);
