@@ -33,12 +33,16 @@ CATEGORIES = (
         "rule book",
         r"candidates_kernel|decode_kernel|insert_keys_kernel|insert_rows_kernel|"
         r"pair_count_kernel|pair_emit_kernel|pair_lookup_kernel|run_emit_kernel|run_flags_kernel|"
+        r"mark_kernel|popcount_kernel|decode_bitmap_kernel|"
         r"RadixSort|radix_sort|aten::sort|aten::unique|aten::searchsorted",
     ),
     ("pair counts", r"pair_counts_kernel|pair_rows_kernel"),
     ("neighbour maps", r"neighbour_maps_kernel"),
     # gather and GEMM in one kernel (the float32 default since 2026-12-02)
-    ("implicit GEMM", r"implicit_gemm_kernel|wgrad_partial_kernel|sum_splits_kernel"),
+    (
+        "implicit GEMM",
+        r"implicit_gemm_kernel|implicit_gemm_mma_kernel|wgrad_partial_kernel|sum_splits_kernel",
+    ),
     ("gather", r"gather_kernel|im2col_kernel|aten::index_select|aten::index\b"),
     ("GEMM", r"gemm|gemv|xmma|cutlass|cublas|nvjet|sm90_|splitKreduce|aten::mm\b|aten::addmm"),
     ("scatter", r"scatter_kernel|aten::index_add"),

@@ -198,6 +198,14 @@ group_full_k() {
     sparse_gemm_gentry) echo "implicit_gemm_entry" ;;
     sparse_gemm_wentry) echo "implicit_wgrad_entry" ;;
     sparse_gemm_wide) echo "implicit_gemm_conv_matches and (64-128 or 20-70 or 3-1)" ;;
+    # the tensor-core kernel (16-bit sparse_conv_implicit_gemm on CUDA sm_80+): its entry-point
+    # cases (dtype0 there is float32), the default-choice conv cases and the bit-exact one
+    sparse_gemm_tc) echo "(implicit_gemm_entry and (dtype1 or dtype2)) or tensor_core_gemm" ;;
+    # its bit-exactness case apart: the racecheck of sparse_gemm_tc with it (H200, 2026-12-02)
+    # reported one hazard and errored the tests after it, a log lost with that machine
+    sparse_gemm_tc_exact) echo "bit_exact and dtype1 and implicit" ;;
+    # the rule-book kernels on both output-site paths (bitmap, sort), errors and empty inputs
+    sparse_rulebook) echo "rulebook or empty_inputs or raises_the_reference" ;;
   esac
 }
 

@@ -60,6 +60,10 @@
 #include "sparse_rows.muh"
 #include "vec.muh"
 
+#if MUSPACE_HAS_WMMA
+#include <mma.h>
+#endif
+
 namespace muspace {
 namespace sparse {
 namespace {
@@ -68,6 +72,8 @@ using tvm::ffi::Shape;
 
 MUSPACE_LIMIT(sparse_conv, max_pairs, kMaxPairs);
 MUSPACE_LIMIT(sparse_maxpool, max_pairs, kMaxPairs);
+// 1: sparse_conv_implicit_gemm multiplies float16 / bfloat16 on the tensor cores (sm_80+)
+MUSPACE_LIMIT(sparse_conv, tensor_core_gemm, MUSPACE_HAS_WMMA);
 
 // header layout of sparse_pairs_check
 constexpr int kCounts = 0;  // + k
@@ -372,6 +378,143 @@ __global__ void __launch_bounds__(kGemmThreads)
     }
   }
 }
+
+#if MUSPACE_HAS_WMMA
+// ---------------------------------------------------------- implicit GEMM on the tensor cores
+
+constexpr int kMmaWarps = 4;  // warp w: rows [16 w, 16 w + 16) of the 64-row tile x all BN
+constexpr int kMmaThreads = kMmaWarps * kWarpSize;
+constexpr int kMmaTile = 16;             // the wmma tile: 16 x 16 x 16
+constexpr int kMmaLdA = kGemmDepth + 8;  // a_tile row stride: 48 bytes (16-byte rows)
+constexpr int kMmaLdC = kMmaTile + 4;    // c_tile row stride in floats
+static_assert(kMmaWarps * kMmaTile == kGemmRows, "a warp per 16 rows");
+static_assert(kGemmDepth == kMmaTile, "a step is one wmma k");
+static_assert(kWarpSize == 2 * kMmaTile, "a warp loads its own 16 rows, two lanes a row");
+
+// implicit_gemm_kernel's sums for 16-bit src / weight with the products on the tensor cores:
+// per (offset k, 16 channels) step the gathered 64 x 16 rows and the 16 x BN weight slice are
+// staged in shared memory (double-buffered, one barrier per step) and each warp adds its 16-row
+// strip times the slice into BN / 16 float32 accumulator tiles (chains of K C_in / 16 additions
+// of 16-term products, as the SIMT kernel's two-level sums). A warp skips a step in which none
+// of its 16 rows has a neighbour. Deterministic: fixed order, no atomics.
+// Loading: thread tid stages row tid / 2, channels 8 (tid % 2) .. + 8 (so a warp loads its own
+// strip, and a warp vote over its lanes' neighbours says whether the step has work for it: no
+// shared flag) and weight elements tid + i * kMmaThreads.
+template <typename T, typename OutT, int BN, bool kVecA>
+__global__ void __launch_bounds__(kMmaThreads)
+    implicit_gemm_mma_kernel(const T* __restrict__ src, int64_t n_src, int c_in,
+                             const int* __restrict__ map, int k_volume, int64_t rows,
+                             const T* __restrict__ weight, int c_out, OutT* __restrict__ out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // the host launches it on sm_80+ only (implicit_gemm_entry)
+#else
+  namespace wmma = nvcuda::wmma;
+  static_assert(sizeof(T) == 2, "float16 / bfloat16");
+  constexpr int kFrags = BN / kMmaTile;
+  constexpr int kLdB = BN + 8;
+  constexpr int kBPerThread = kGemmDepth * BN / kMmaThreads;  // 2, 4 or 8
+  static_assert(kGemmRows * kGemmDepth == 8 * kMmaThreads, "one 8-element A vector per thread");
+  static_assert(kBPerThread >= 1 && kGemmDepth * BN % kMmaThreads == 0, "B tile split");
+  alignas(32) __shared__ T a_tile[2][kGemmRows][kMmaLdA];
+  alignas(32) __shared__ T b_tile[2][kGemmDepth][kLdB];
+  alignas(32) __shared__ float c_tile[kMmaWarps][kMmaTile][kMmaLdC];
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / kWarpSize;
+  const int lane = tid - warp * kWarpSize;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kGemmRows;
+  const int n0 = static_cast<int>(blockIdx.y) * BN;
+  const int load_m = tid >> 1;
+  const int load_c = (tid & 1) * 8;
+  const int64_t load_row = row0 + load_m;
+  const int chunks = (c_in + kGemmDepth - 1) / kGemmDepth;
+  const int steps = k_volume * chunks;
+
+  const uint16_t* src_bits = reinterpret_cast<const uint16_t*>(src);
+  const uint16_t* weight_bits = reinterpret_cast<const uint16_t*>(weight);
+  Vec<T, 8> a_reg;
+  uint16_t b_reg[kBPerThread];
+  int64_t nbr = -1;
+  auto load_step = [&](int s) {
+    const int k = s / chunks;
+    const int c0 = (s - k * chunks) * kGemmDepth;
+    if (c0 == 0) {
+      nbr = -1;
+      if (load_row < rows) {
+        const int64_t v = map[load_row * k_volume + k];
+        if (v >= 0 && v < n_src) nbr = v;
+      }
+    }
+    const int c = c0 + load_c;
+    if constexpr (kVecA) {  // c_in % 8 == 0 and src 16-byte aligned
+      a_reg.load_if(nbr >= 0 && c < c_in, src + nbr * c_in + c);
+    } else {
+      uint16_t e[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        e[i] = nbr >= 0 && c + i < c_in ? src_bits[nbr * c_in + c + i] : 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        a_reg.w[i] = e[2 * i] | (static_cast<uint32_t>(e[2 * i + 1]) << 16);
+    }
+#pragma unroll
+    for (int i = 0; i < kBPerThread; ++i) {
+      const int e = tid + i * kMmaThreads;
+      const int cc = e / BN;
+      const int n = e - cc * BN;
+      b_reg[i] = c0 + cc < c_in && n0 + n < c_out
+                     ? weight_bits[(static_cast<int64_t>(k) * c_in + c0 + cc) * c_out + n0 + n]
+                     : 0;  // all-zero bits: 0.0 in float16 and bfloat16
+    }
+  };
+
+  wmma::fragment<wmma::accumulator, kMmaTile, kMmaTile, kMmaTile, float> acc[kFrags];
+#pragma unroll
+  for (int j = 0; j < kFrags; ++j) wmma::fill_fragment(acc[j], 0.0f);
+  if (steps > 0) load_step(0);
+  for (int s = 0; s < steps; ++s) {
+    const int buf = s & 1;
+    a_reg.store(&a_tile[buf][load_m][load_c]);
+#pragma unroll
+    for (int i = 0; i < kBPerThread; ++i) {
+      const int e = tid + i * kMmaThreads;
+      reinterpret_cast<uint16_t*>(&b_tile[buf][e / BN][0])[e % BN] = b_reg[i];
+    }
+    const bool has_work = __any_sync(0xffffffffu, nbr >= 0);  // the warp's 16 rows, step s
+    __syncthreads();
+    if (s + 1 < steps) load_step(s + 1);
+    if (!has_work) continue;  // none of this warp's rows has the step's neighbour
+    wmma::fragment<wmma::matrix_a, kMmaTile, kMmaTile, kMmaTile, T, wmma::row_major> a;
+    wmma::load_matrix_sync(a, &a_tile[buf][warp * kMmaTile][0], kMmaLdA);
+#pragma unroll
+    for (int j = 0; j < kFrags; ++j) {
+      wmma::fragment<wmma::matrix_b, kMmaTile, kMmaTile, kMmaTile, T, wmma::row_major> b;
+      wmma::load_matrix_sync(b, &b_tile[buf][0][j * kMmaTile], kLdB);
+      wmma::mma_sync(acc[j], a, b, acc[j]);
+    }
+  }
+  // each accumulator tile through the warp's c_tile to out (bounds-checked rows and columns)
+  constexpr int kPerLane = kMmaTile * kMmaTile / kWarpSize;
+  static_assert(kMmaTile * kMmaTile % kWarpSize == 0 && kMmaTile % kPerLane == 0, "c_tile split");
+  const int r = lane * kPerLane / kMmaTile;
+  const int col = lane * kPerLane - r * kMmaTile;
+  const int64_t out_row = row0 + warp * kMmaTile + r;
+#pragma unroll
+  for (int j = 0; j < kFrags; ++j) {
+    wmma::store_matrix_sync(&c_tile[warp][0][0], acc[j], kMmaLdC, wmma::mem_row_major);
+    __syncwarp();
+    if (out_row < rows) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        const int n = n0 + j * kMmaTile + col + i;
+        if (n < c_out) out[out_row * c_out + n] = from_float<OutT>(c_tile[warp][r][col + i]);
+      }
+    }
+    __syncwarp();  // c_tile read before the next tile overwrites it
+  }
+#endif
+}
+#endif  // MUSPACE_HAS_WMMA
 
 // ------------------------------------------------------------------- implicit GEMM: dweight
 
@@ -751,6 +894,28 @@ void implicit_gemm_entry(TensorView src, TensorView map, TensorView weight, Tens
   const bool to_float = !same_dtype(out.dtype(), src.dtype());
   dispatch_float(src, "src", [&](auto tag) {
     using T = decltype(tag);
+#if MUSPACE_HAS_WMMA
+    if constexpr (sizeof(T) == 2) {
+      if (compute_capability_major(device_id) >= 8) {
+        const bool vec_a = pick_vec(c_in, 8, {{data_of(src), 2}}) == 8;
+        dispatch_bools(
+            [&](auto as_float, auto vec) {
+              using OutT = std::conditional_t<decltype(as_float)::value, float, T>;
+              constexpr bool kVecA = decltype(vec)::value;
+              dispatch_int<16, 32, 64>(bn, [&](auto b) {
+                constexpr int BN = decltype(b)::value;
+                implicit_gemm_mma_kernel<T, OutT, BN, kVecA><<<grid, kMmaThreads, 0, st>>>(
+                    data_of<const T>(src), src.size(0), static_cast<int>(c_in),
+                    data_of<const int>(map), static_cast<int>(k_volume), rows,
+                    data_of<const T>(weight), static_cast<int>(c_out), data_of<OutT>(out));
+                check_launch("sparse_conv_implicit_gemm implicit_gemm_mma_kernel");
+              });
+            },
+            to_float, vec_a);
+        return;
+      }
+    }
+#endif
     const bool vec_a = pick_vec(c_in, 4, {{data_of(src), static_cast<int>(sizeof(T))}}) == 4;
     dispatch_bools(
         [&](auto as_float, auto vec) {

@@ -18,6 +18,15 @@
 //                              per offset, so pairs stay in ascending input row), the -1 fill,
 //                              the emit and the K counts
 //   sparse_rulebook_decode     uniq keys -> out_indices [M, ndim + 1] (b, spatial...)
+// or, strided / transposed over an output grid of at most a few cells per candidate (the caller
+// picks), a bitmap of the output grid instead of the sort, the unique keys and the output table:
+//   sparse_rulebook_mark       the bitmap (a bit per cell of batch x out_shape, uint32 words):
+//                              zeroed, a bit set per reached cell (atomicOr, skipped where a
+//                              plain read already sees it), the popcount of each word and their
+//                              exclusive scan: prefix[w], header[kCount] = M. The rank of a set
+//                              bit is its output row: the ascending keys of the sorted path
+//   sparse_rulebook_forward_bitmap  sparse_rulebook_forward with the rank as the lookup
+//   sparse_rulebook_decode_bitmap   a thread per word: its set bits -> out_indices rows
 //
 // No host synchronisation here; the caller reads the int32 header [4] (bad rows, duplicates, M,
 // table full) once. Every data-dependent index is bounds-checked (rows, slots, keys).
@@ -48,6 +57,9 @@ constexpr int64_t kMaxCandidates = INT_MAX - 1;
 MUSPACE_LIMIT(sparse_rulebook, max_candidates, kMaxCandidates);
 constexpr int64_t kMaxKernelVolume = 4096;
 constexpr int64_t kKeyLimit = int64_t{1} << 62;
+// bitmap words (and their scan's entries) are int32-indexed
+constexpr int64_t kMaxBitmapWords = INT_MAX - 1;
+MUSPACE_LIMIT(sparse_rulebook, max_bitmap_words, kMaxBitmapWords);
 
 // int32 header
 constexpr int kBad = 0;    // a row outside [0, batch) x [0, shape)
@@ -124,16 +136,40 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// key -> row through the hash table
+struct TableLookup {
+  const int64_t* __restrict__ keys;
+  const int* __restrict__ vals;
+  uint64_t mask;
+  __device__ __forceinline__ int operator()(int64_t key) const {
+    return hash_lookup(keys, vals, mask, key);
+  }
+};
+
+// key -> the rank of its bit among the set bits of the bitmap (-1 when clear)
+struct BitmapLookup {
+  const uint32_t* __restrict__ words;
+  const int* __restrict__ prefix;
+  int64_t n_words;
+  __device__ __forceinline__ int operator()(int64_t key) const {
+    const int64_t w = key >> 5;
+    if (w >= n_words) return -1;
+    const uint32_t word = words[w];
+    const uint32_t bit = 1u << (key & 31);
+    return (word & bit) != 0u ? prefix[w] + __popc(word & (bit - 1u)) : -1;
+  }
+};
+
+template <typename Lookup>
 __global__ void __launch_bounds__(kBlock)
     pair_lookup_kernel(const int* __restrict__ indices, int n, Geometry g, int64_t total,
-                       const int64_t* __restrict__ keys, const int* __restrict__ vals,
-                       uint64_t mask, int n_rows, int* __restrict__ out_row,
+                       Lookup lookup, int n_rows, int* __restrict__ out_row,
                        int* __restrict__ flags) {
   for (int64_t e = global_thread(); e < total; e += global_threads()) {
     const int64_t k = e / n;
     const int64_t j = e - k * n;
     const int64_t key = reached_key(g, indices + j * (g.ndim + 1), k);
-    int row = key >= 0 ? hash_lookup(keys, vals, mask, key) : -1;
+    int row = key >= 0 ? lookup(key) : -1;
     if (row >= n_rows) row = -1;  // a row the table cannot hold (bad input): no pair
     out_row[e] = row;
     flags[e] = row >= 0 ? 1 : 0;
@@ -163,17 +199,61 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// key (b * prod(out_shape) + row-major site) -> (b, q...) at row
+__device__ __forceinline__ void decode_key(int64_t key, const Geometry& g, int* __restrict__ row) {
+  if (key < 0) key = 0;  // bad input: a valid site instead of an unbounded value
+  for (int a = g.ndim - 1; a >= 0; --a) {
+    row[a + 1] = static_cast<int>(key % g.out_shape[a]);
+    key /= g.out_shape[a];
+  }
+  row[0] = static_cast<int>(key < INT_MAX ? key : INT_MAX);
+}
+
 __global__ void __launch_bounds__(kBlock)
     decode_kernel(const int64_t* __restrict__ keys, int m, Geometry g, int* __restrict__ out) {
   for (int64_t r = global_thread(); r < m; r += global_threads()) {
-    int64_t key = keys[r];
-    if (key < 0) key = 0;  // bad input: a valid site instead of an unbounded value
-    int* row = out + r * (g.ndim + 1);
-    for (int a = g.ndim - 1; a >= 0; --a) {
-      row[a + 1] = static_cast<int>(key % g.out_shape[a]);
-      key /= g.out_shape[a];
+    decode_key(keys[r], g, out + r * (g.ndim + 1));
+  }
+}
+
+// ------------------------------------------------------------------------- bitmap kernels
+
+__global__ void __launch_bounds__(kBlock)
+    mark_kernel(const int* __restrict__ indices, int n, Geometry g, int64_t total,
+                uint32_t* __restrict__ words) {
+  for (int64_t e = global_thread(); e < total; e += global_threads()) {
+    const int64_t k = e / n;
+    const int64_t j = e - k * n;
+    const int64_t key = reached_key(g, indices + j * (g.ndim + 1), k);
+    if (key < 0) continue;
+    uint32_t* word = words + (key >> 5);
+    const uint32_t bit = 1u << (key & 31);
+    // most cells are reached by several (k, j): a plain read (possibly stale: then the
+    // idempotent atomicOr runs anyway) skips the atomic for the bits already set
+    if ((*word & bit) == 0u) atomicOr(word, bit);
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    popcount_kernel(const uint32_t* __restrict__ words, int64_t n_words, int* __restrict__ counts) {
+  for (int64_t w = global_thread(); w < n_words; w += global_threads()) {
+    counts[w] = __popc(words[w]);
+  }
+}
+
+__global__ void __launch_bounds__(kBlock)
+    decode_bitmap_kernel(const uint32_t* __restrict__ words, const int* __restrict__ prefix,
+                         int64_t n_words, int m, Geometry g, int* __restrict__ out) {
+  for (int64_t w = global_thread(); w < n_words; w += global_threads()) {
+    uint32_t rest = words[w];
+    int row = prefix[w];
+    while (rest != 0u) {
+      const int b = __ffs(static_cast<int>(rest)) - 1;
+      rest &= rest - 1u;
+      if (row >= 0 && row < m)
+        decode_key(w * 32 + b, g, out + static_cast<int64_t>(row) * (g.ndim + 1));
+      ++row;
     }
-    row[0] = static_cast<int>(key < INT_MAX ? key : INT_MAX);
   }
 }
 
@@ -192,6 +272,33 @@ Layout layout(int64_t total) {
   l.sums = l.scan + round4(total + 1);
   l.ints = l.sums + round4(std::max<int64_t>(scan::scan_tiles(total + 1), 1));
   return l;
+}
+
+// bitmap workspace (int32): words [W] (uint32 bits) | prefix [W] | the scan's tile sums
+struct BitmapLayout {
+  int64_t words, prefix, sums, ints;
+};
+
+BitmapLayout bitmap_layout(int64_t n_words) {
+  BitmapLayout l;
+  l.words = 0;
+  l.prefix = round4(n_words);
+  l.sums = l.prefix + round4(n_words);
+  l.ints = l.sums + round4(std::max<int64_t>(scan::scan_tiles(n_words), 1));
+  return l;
+}
+
+// W = ceil(batch * prod(out_shape) / 32), checked against kMaxBitmapWords
+int64_t bitmap_words(int64_t batch, const int64_t* out_shape, int ndim) {
+  int64_t cells = batch;
+  for (int a = 0; a < ndim; ++a) {
+    if (cells > 32 * kMaxBitmapWords / out_shape[a]) {
+      TVM_FFI_THROW(ValueError) << "batch_size * prod(out_shape) exceeds the bitmap limit of "
+                                << 32 * kMaxBitmapWords << " cells";
+    }
+    cells *= out_shape[a];
+  }
+  return (cells + 31) / 32;
 }
 
 void check_candidates(int64_t k_volume, int64_t n) {
@@ -421,12 +528,13 @@ void unique_entry(TensorView sorted_keys, TensorView uniq, TensorView workspace,
   check_launch("sparse_rulebook_unique run_emit_kernel");
 }
 
-// mode 0 SubM (table = the input keys, n_rows = N), 1 strided, 2 transposed (table = the output
-// keys, n_rows = M). pairs [K, 2, N] and pair_num [K] are written in full.
-void forward_entry(TensorView indices, TensorView table_keys, TensorView table_vals,
-                   TensorView workspace, TensorView pairs, TensorView pair_num, int64_t batch_size,
-                   Shape spatial, Shape out_shape, Shape ksize, Shape stride, Shape padding,
-                   Shape dilation, int64_t mode, int64_t n_rows, int64_t stream) {
+// The checks of both forward entry points (pairs [K, 2, N], pair_num [K], the workspace of
+// K * N candidates, 0 <= n_rows <= INT_MAX) -> the geometry.
+Geometry check_forward(const TensorView& indices, const TensorView& workspace,
+                       const TensorView& pairs, const TensorView& pair_num, int64_t batch_size,
+                       const Shape& spatial, const Shape& out_shape, const Shape& ksize,
+                       const Shape& stride, const Shape& padding, const Shape& dilation,
+                       int64_t mode, int64_t n_rows) {
   const int ndim = check_indices(indices);
   if (mode != kSubm && mode != kStrided && mode != kTransposed) {
     TVM_FFI_THROW(ValueError) << "mode must be 0 (subm), 1 (strided) or 2 (transposed), got "
@@ -440,20 +548,27 @@ void forward_entry(TensorView indices, TensorView table_keys, TensorView table_v
   if (n_rows < 0 || n_rows > INT_MAX) {
     TVM_FFI_THROW(ValueError) << "n_rows must be in [0, " << INT_MAX << "], got " << n_rows;
   }
-  const uint64_t mask = check_table(table_keys, table_vals, indices, n_rows);
-  const int64_t total = k_volume * n;
-  check_workspace(workspace, indices, total);
+  check_workspace(workspace, indices, k_volume * n);
   check_input(pairs, "pairs", indices, kInt32);
   check_ndim(pairs, "pairs", 3);
   check_size(pairs, "pairs", 0, k_volume);
   check_size(pairs, "pairs", 1, 2);
   check_size(pairs, "pairs", 2, n);
   check_vector(pair_num, "pair_num", indices, kInt32, k_volume);
-  const int device_id = indices.device().device_id;
-  DeviceGuard guard(device_id);
-  const gpuStream_t st = as_stream(stream);
+  return g;
+}
+
+// Per (k, j) the reached key's output row (`lookup`, rows >= n_rows dropped), the exclusive scan
+// of the flags, the -1 fill, the emit and the K counts. pairs and pair_num are written in full.
+template <typename Lookup>
+void launch_pairs(const TensorView& indices, const Geometry& g, Lookup lookup, int64_t n_rows,
+                  const TensorView& workspace, const TensorView& pairs, const TensorView& pair_num,
+                  int device_id, gpuStream_t st, const char* what) {
+  const int64_t n = indices.size(0);
+  const int64_t k_volume = kernel_volume(g);
+  const int64_t total = k_volume * n;
   if (n == 0) {
-    launch_zero(data_of(pair_num), k_volume * 4, device_id, st, "sparse_rulebook_forward (num)");
+    launch_zero(data_of(pair_num), k_volume * 4, device_id, st, what);
     return;
   }
   const Layout l = layout(total);
@@ -461,20 +576,144 @@ void forward_entry(TensorView indices, TensorView table_keys, TensorView table_v
   int* out_row = ws + l.out_row;
   int* scan = ws + l.scan;
   pair_lookup_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
-      data_of<const int>(indices), static_cast<int>(n), g, total,
-      data_of<const int64_t>(table_keys), data_of<const int>(table_vals), mask,
-      static_cast<int>(n_rows), out_row, scan);
-  check_launch("sparse_rulebook_forward pair_lookup_kernel");
-  scan::exclusive_scan(scan, scan, total + 1, ws + l.sums, nullptr, st,
-                       "sparse_rulebook_forward scan");
-  launch_fill(data_of(pairs), 2 * total * 4, fill_word(-1), device_id, st,
-              "sparse_rulebook_forward (pairs fill)");
+      data_of<const int>(indices), static_cast<int>(n), g, total, lookup, static_cast<int>(n_rows),
+      out_row, scan);
+  check_launch(what);
+  scan::exclusive_scan(scan, scan, total + 1, ws + l.sums, nullptr, st, what);
+  launch_fill(data_of(pairs), 2 * total * 4, fill_word(-1), device_id, st, what);
   pair_emit_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
       static_cast<int>(n), total, out_row, scan, data_of<int>(pairs));
-  check_launch("sparse_rulebook_forward pair_emit_kernel");
+  check_launch(what);
   pair_count_kernel<<<blocks_for(k_volume, device_id), kBlock, 0, st>>>(
       static_cast<int>(n), static_cast<int>(k_volume), scan, data_of<int>(pair_num));
-  check_launch("sparse_rulebook_forward pair_count_kernel");
+  check_launch(what);
+}
+
+// mode 0 SubM (table = the input keys, n_rows = N), 1 strided, 2 transposed (table = the output
+// keys, n_rows = M). pairs [K, 2, N] and pair_num [K] are written in full.
+void forward_entry(TensorView indices, TensorView table_keys, TensorView table_vals,
+                   TensorView workspace, TensorView pairs, TensorView pair_num, int64_t batch_size,
+                   Shape spatial, Shape out_shape, Shape ksize, Shape stride, Shape padding,
+                   Shape dilation, int64_t mode, int64_t n_rows, int64_t stream) {
+  const Geometry g = check_forward(indices, workspace, pairs, pair_num, batch_size, spatial,
+                                   out_shape, ksize, stride, padding, dilation, mode, n_rows);
+  const uint64_t mask = check_table(table_keys, table_vals, indices, n_rows);
+  const int device_id = indices.device().device_id;
+  DeviceGuard guard(device_id);
+  const TableLookup lookup{data_of<const int64_t>(table_keys), data_of<const int>(table_vals),
+                           mask};
+  launch_pairs(indices, g, lookup, n_rows, workspace, pairs, pair_num, device_id, as_stream(stream),
+               "sparse_rulebook_forward");
+}
+
+// ------------------------------------------------------------------------- bitmap entry points
+
+int64_t bitmap_workspace_ints(int64_t batch_size, Shape out_shape) {
+  const int64_t ndim = static_cast<int64_t>(out_shape.size());
+  if (ndim < 1 || ndim > kMaxNdim) {
+    TVM_FFI_THROW(ValueError) << "out_shape must have 1 to " << kMaxNdim << " values, got " << ndim;
+  }
+  int64_t shape[kMaxNdim];
+  copy_dims(out_shape, "out_shape", static_cast<int>(ndim), 1, shape);
+  return bitmap_layout(bitmap_words(check_batch(batch_size), shape, static_cast<int>(ndim))).ints;
+}
+
+// bitmap [>= sparse_rulebook_bitmap_workspace_ints] int32 over batch x out_shape, W words
+void check_bitmap(const TensorView& bitmap, const TensorView& ref, int64_t n_words) {
+  check_input(bitmap, "bitmap", ref, kInt32);
+  check_ndim(bitmap, "bitmap", 1);
+  const int64_t need = bitmap_layout(n_words).ints;
+  if (bitmap.size(0) < need) {
+    TVM_FFI_THROW(ValueError) << "bitmap must hold " << need << " int32 (from "
+                              << "sparse_rulebook_bitmap_workspace_ints), got " << bitmap.size(0);
+  }
+}
+
+// strided / transposed: the bitmap of the cells the (k, j) reach, its word prefix sums and
+// header[kCount] = M (the header's other ints are left as they are).
+void mark_entry(TensorView indices, TensorView bitmap, TensorView header, int64_t batch_size,
+                Shape spatial, Shape out_shape, Shape ksize, Shape stride, Shape padding,
+                Shape dilation, bool transposed, int64_t stream) {
+  const int ndim = check_indices(indices);
+  const Geometry g = make_geometry(ndim, batch_size, spatial, out_shape, ksize, stride, padding,
+                                   dilation, transposed ? kTransposed : kStrided);
+  const int64_t n = indices.size(0);
+  const int64_t k_volume = kernel_volume(g);
+  check_candidates(k_volume, n);
+  const int64_t n_words = bitmap_words(g.batch, g.out_shape, ndim);
+  check_bitmap(bitmap, indices, n_words);
+  check_header(header, indices);
+  const int device_id = indices.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  const BitmapLayout l = bitmap_layout(n_words);
+  int* ws = data_of<int>(bitmap);
+  uint32_t* words = reinterpret_cast<uint32_t*>(ws + l.words);
+  launch_zero(words, n_words * 4, device_id, st, "sparse_rulebook_mark (zero)");
+  if (n > 0) {
+    mark_kernel<<<blocks_for(k_volume * n, device_id), kBlock, 0, st>>>(
+        data_of<const int>(indices), static_cast<int>(n), g, k_volume * n, words);
+    check_launch("sparse_rulebook_mark mark_kernel");
+  }
+  popcount_kernel<<<blocks_for(n_words, device_id), kBlock, 0, st>>>(words, n_words, ws + l.prefix);
+  check_launch("sparse_rulebook_mark popcount_kernel");
+  scan::exclusive_scan(ws + l.prefix, ws + l.prefix, n_words, ws + l.sums,
+                       data_of<int>(header) + kCount, st, "sparse_rulebook_mark scan");
+}
+
+// sparse_rulebook_forward (mode 1 / 2) with the output rows from a marked bitmap (n_rows = M)
+void forward_bitmap_entry(TensorView indices, TensorView bitmap, TensorView workspace,
+                          TensorView pairs, TensorView pair_num, int64_t batch_size, Shape spatial,
+                          Shape out_shape, Shape ksize, Shape stride, Shape padding, Shape dilation,
+                          int64_t mode, int64_t n_rows, int64_t stream) {
+  if (mode != kStrided && mode != kTransposed) {
+    TVM_FFI_THROW(ValueError) << "mode must be 1 (strided) or 2 (transposed), got " << mode;
+  }
+  const Geometry g = check_forward(indices, workspace, pairs, pair_num, batch_size, spatial,
+                                   out_shape, ksize, stride, padding, dilation, mode, n_rows);
+  const int64_t n_words = bitmap_words(g.batch, g.out_shape, g.ndim);
+  check_bitmap(bitmap, indices, n_words);
+  const int device_id = indices.device().device_id;
+  DeviceGuard guard(device_id);
+  const BitmapLayout l = bitmap_layout(n_words);
+  const int* ws = data_of<const int>(bitmap);
+  const BitmapLookup lookup{reinterpret_cast<const uint32_t*>(ws + l.words), ws + l.prefix,
+                            n_words};
+  launch_pairs(indices, g, lookup, n_rows, workspace, pairs, pair_num, device_id, as_stream(stream),
+               "sparse_rulebook_forward_bitmap");
+}
+
+// a marked bitmap -> out_indices [M, ndim + 1] (b, q...) in ascending key order
+void decode_bitmap_entry(TensorView bitmap, TensorView out_indices, int64_t batch_size,
+                         Shape out_shape, int64_t stream) {
+  check_gpu_tensor(bitmap, "bitmap");
+  check_input(out_indices, "out_indices", bitmap, kInt32);
+  check_ndim(out_indices, "out_indices", 2);
+  const int64_t cols = out_indices.size(1);
+  if (cols < 2 || cols > kMaxNdim + 1) {
+    TVM_FFI_THROW(ValueError) << "out_indices must have 2 to " << kMaxNdim + 1 << " columns, got "
+                              << cols;
+  }
+  const int64_t m = out_indices.size(0);
+  if (m > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "out_indices has " << m << " rows; at most " << INT_MAX;
+  }
+  Geometry g{};
+  g.ndim = static_cast<int>(cols - 1);
+  g.batch = check_batch(batch_size);
+  copy_dims(out_shape, "out_shape", g.ndim, 1, g.out_shape);
+  check_key_range(g.batch, g.out_shape, g.ndim, "out_shape");
+  const int64_t n_words = bitmap_words(g.batch, g.out_shape, g.ndim);
+  check_bitmap(bitmap, bitmap, n_words);
+  if (m == 0) return;
+  const int device_id = bitmap.device().device_id;
+  DeviceGuard guard(device_id);
+  const BitmapLayout l = bitmap_layout(n_words);
+  const int* ws = data_of<const int>(bitmap);
+  decode_bitmap_kernel<<<blocks_for(n_words, device_id), kBlock, 0, as_stream(stream)>>>(
+      reinterpret_cast<const uint32_t*>(ws + l.words), ws + l.prefix, n_words, static_cast<int>(m),
+      g, data_of<int>(out_indices));
+  check_launch("sparse_rulebook_decode_bitmap decode_bitmap_kernel");
 }
 
 void decode_entry(TensorView keys, TensorView out_indices, int64_t batch_size, Shape out_shape,
@@ -518,3 +757,9 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_candidates, muspace::sparse::candi
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_unique, muspace::sparse::unique_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_forward, muspace::sparse::forward_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_decode, muspace::sparse::decode_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_bitmap_workspace_ints,
+                              muspace::sparse::bitmap_workspace_ints);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_mark, muspace::sparse::mark_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_forward_bitmap,
+                              muspace::sparse::forward_bitmap_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_decode_bitmap, muspace::sparse::decode_bitmap_entry);

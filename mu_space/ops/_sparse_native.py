@@ -15,14 +15,24 @@ Rule book (`rulebook_native`), the reference's layout and order element by eleme
      (slot = scan[k N + j] - scan[k N]), then -1; the K counts.
   3. one host synchronisation: the header (flags) -> the reference's error when a flag is set;
      none where the indices are a native rule book's output sites for this grid (VALID_SITES).
-  strided / transposed:
+  strided / transposed (step 1 only where the input sites are not VALID_SITES of this grid:
+  the table is needed for its flags alone), over an output grid of at most
+  BITMAP_CELLS_PER_CANDIDATE cells per (k, j) candidate (every CenterPoint / SECOND layer):
+  2. `sparse_rulebook_mark`: a bitmap of batch x out_shape, a bit set per reached cell, the
+     words' popcounts and their exclusive scan (the rank of a set bit = its output row: the
+     ascending linearised (b, z, y, x) of the reference's output order) and M;
+  3. one host synchronisation: the header (flags and M); 4. `sparse_rulebook_forward_bitmap`
+     (mode 1 / 2): the rank as the lookup, the same per-offset compaction;
+     5. `sparse_rulebook_decode_bitmap`: the set bits -> out_indices.
+  Larger output grids (no sort of K N keys costs less than a bitmap of them):
   2. `sparse_rulebook_candidates`: the key each (k, j) reaches ([K N] int64, LLONG_MAX where
      none); 3. torch.sort of the candidates (values only: the one step done by torch, between
      two launches, no synchronisation); 4. `sparse_rulebook_unique`: run starts + scan -> the
-     sorted unique keys (ascending linearised (b, z, y, x), the reference's output order) and M;
-  5. one host synchronisation: the header (flags and M); 6. `sparse_hash_insert` of the M
-     output keys (capacity >= 2M, row = rank); 7. `sparse_rulebook_forward` (mode 1 / 2):
-     lookups in the output table, the same per-offset compaction; 8. `sparse_rulebook_decode`.
+     sorted unique keys and M; 5. one host synchronisation: the header (flags and M);
+  6. `sparse_hash_insert` of the M output keys (capacity >= 2M, row = rank);
+  7. `sparse_rulebook_forward` (mode 1 / 2): lookups in the output table, the same per-offset
+     compaction; 8. `sparse_rulebook_decode`.
+  Both give the same rule book element by element (tests/ops/test_sparse_native.py).
 
 Convolution, im2col path (`conv_native`, `conv_backward_native`, the default):
 `sparse_conv_maps` builds the rule book's neighbour maps once (cached per rule book like the
@@ -34,7 +44,8 @@ weight.view(K C_in, C_out)) per chunk of output rows (IM2COL_CHUNK_ELEMENTS). Ba
 @ weight^T [K C_out, C_in]. For the dtypes of IMPLICIT_GEMM_DTYPES the forward and grad_x run
 `sparse_conv_implicit_gemm` and grad_w `sparse_conv_implicit_wgrad` instead: the same sums with
 the gathered rows staged in shared memory (no cols buffer, no torch.mm: one entry point per
-product). No atomics anywhere (deterministic by construction); float16 /
+product); float16 / bfloat16 take sparse_conv_implicit_gemm where it runs on the tensor cores
+(TENSOR_CORE_DTYPES). No atomics anywhere (deterministic by construction); float16 /
 bfloat16 gather and multiply in 16 bits with float32 accumulation and output where torch.mm
 has out_dtype for that device (else float32 operands). A rule book that breaks the rule-book
 invariant (an (o, k) or (i, k) slot twice: the maps cannot hold it, and the per-offset
@@ -84,6 +95,10 @@ RULEBOOK_ENTRY_POINTS = (
     "sparse_rulebook_candidates",
     "sparse_rulebook_unique",
     "sparse_rulebook_decode",
+    "sparse_rulebook_bitmap_workspace_ints",
+    "sparse_rulebook_mark",
+    "sparse_rulebook_forward_bitmap",
+    "sparse_rulebook_decode_bitmap",
 )
 PAIR_ENTRY_POINTS = ("sparse_pairs_check", "sparse_conv_gather", "sparse_conv_scatter")
 IM2COL_ENTRY_POINTS = (
@@ -104,15 +119,28 @@ IM2COL_ENABLED = os.environ.get("MUSPACE_SPARSE_CONV_IM2COL", "1") != "0"
 # to WGRAD_MAX_COLUMNS output channels, sparse_conv_implicit_wgrad (weight gradient): the
 # gathered rows multiplied in shared memory, no cols buffer, no torch.mm, instead of im2col +
 # torch.mm. On the H200 (2026-12-02, CenterPoint encoder) the float32 forward's GPU time went
-# 10.8 -> 9.8 ms and its wall time 13.9 -> 12.6 ms; float16 stays on im2col (cuBLAS's tensor
-# cores: 4.9 ms against the SIMT kernel's 10.0); the weight gradient's kernel took 2.5 ms for
+# 10.8 -> 9.8 ms and its wall time 13.9 -> 12.6 ms; the weight gradient's kernel took 2.5 ms for
 # the 32-column layers and 12.5 ms for the wider ones, where im2col + torch.mm is faster.
+# float16 / bfloat16 take the implicit GEMM (forward, input gradient) only where its kernel
+# multiplies them on the tensor cores (TENSOR_CORE_DTYPES, tensor_core_gemm: CUDA sm_80+): its
+# SIMT kernel took 10.0 ms against im2col + cuBLAS's 4.9 ms; their weight gradient stays on
+# im2col + torch.mm (cuBLAS's tensor cores).
 # MUSPACE_SPARSE_CONV_GEMM=implicit | im2col overrides it for every dtype and width (A/B timing).
 IMPLICIT_GEMM_DTYPES = frozenset({torch.float32})
+TENSOR_CORE_DTYPES = frozenset({torch.float16, torch.bfloat16})
 WGRAD_MAX_COLUMNS = 16
 GEMM_CHOICE = os.environ.get("MUSPACE_SPARSE_CONV_GEMM", "auto")
 
-# header of sparse_hash_insert / sparse_rulebook_unique
+# Strided / transposed rule books whose output grid (batch x out_shape) has at most this many
+# cells per (offset, input) candidate take the bitmap (its words <= 2 K N int32: zeroing,
+# popcounting and scanning them moves no more bytes than the K N int64 candidates the sort path
+# writes before sorting them). On the H200 (2026-12-02) the sort path's torch.sort took ~250 us
+# of host time per strided layer of the CenterPoint encoder, whose grids hold 3-4 cells a
+# candidate. MUSPACE_SPARSE_RULEBOOK_BITMAP=0 takes the sort path everywhere (A/B timing).
+BITMAP_CELLS_PER_CANDIDATE = 64
+BITMAP_ENABLED = os.environ.get("MUSPACE_SPARSE_RULEBOOK_BITMAP", "1") != "0"
+
+# header of sparse_hash_insert / sparse_rulebook_unique / sparse_rulebook_mark
 _BAD, _DUP, _COUNT, _FULL = range(4)
 _KEY_NONE = 2**63 - 1
 
@@ -183,6 +211,50 @@ def rulebook_pairs(indices, table, workspace, info, mode: int, n_rows: int, st):
     return pairs, num
 
 
+def use_bitmap(info) -> bool:
+    """Whether a strided / transposed rule book takes the bitmap (BITMAP_CELLS_PER_CANDIDATE)."""
+    cells = info["batch_size"]
+    for size in info["out_shape"]:
+        cells *= size
+    words = (cells + 31) // 32
+    return (
+        BITMAP_ENABLED
+        and cells <= BITMAP_CELLS_PER_CANDIDATE * info["K"] * info["n"]
+        and words <= native.limit("sparse_rulebook.max_bitmap_words")
+    )
+
+
+def rulebook_mark(indices, header, info, st):
+    """sparse_rulebook_mark -> the bitmap workspace (words, prefix, scan sums); header[2] = M."""
+    out_shape = native_shape(info["out_shape"])
+    ints = native.function("sparse_rulebook_bitmap_workspace_ints")(info["batch_size"], out_shape)
+    bitmap = _workspace(int(ints), torch.int32, indices.device)
+    native.function("sparse_rulebook_mark")(
+        indices, bitmap, header, info["batch_size"], *_geometry(info), info["transposed"], st
+    )
+    return bitmap
+
+
+def rulebook_pairs_bitmap(indices, bitmap, workspace, info, m: int, st):
+    """sparse_rulebook_forward_bitmap -> (indice_pairs [K, 2, N], indice_pair_num [K])."""
+    n, K = info["n"], info["K"]
+    pairs = _opdef.new_output(indices, (K, 2, n), torch.int32)
+    num = _opdef.new_output(indices, (K,), torch.int32)
+    mode = 2 if info["transposed"] else 1
+    native.function("sparse_rulebook_forward_bitmap")(
+        indices, bitmap, workspace, pairs, num, info["batch_size"], *_geometry(info), mode, m, st
+    )
+    return pairs, num
+
+
+def rulebook_decode_bitmap(bitmap, m: int, info, st):
+    out = _opdef.new_output(bitmap, (m, info["ndim"] + 1), torch.int32)
+    native.function("sparse_rulebook_decode_bitmap")(
+        bitmap, out, info["batch_size"], native_shape(info["out_shape"]), st
+    )
+    return out
+
+
 def rulebook_candidates(indices, info, st):
     cand = _workspace(info["K"] * info["n"], torch.int64, indices.device)
     spatial, out_shape, ksize, stride, padding, dilation = _geometry(info)
@@ -224,8 +296,8 @@ def rulebook_native(c, *args):
     dev = indices.device
     header = torch.zeros(4, dtype=torch.int32, device=dev)
     ws = _workspace(int(native.function("sparse_rulebook_workspace_ints")(K, n)), torch.int32, dev)
-    table = insert_table(indices, info["batch_size"], info["spatial"], header, st)
     if info["subm"]:
+        table = insert_table(indices, info["batch_size"], info["spatial"], header, st)
         pairs, num = rulebook_pairs(indices, table, ws, info, 0, n, st)
         if VALID_SITES.holds(args[0], grid):
             # no flag can be set (they depend on the sites and the grid only; a table of
@@ -246,6 +318,20 @@ def rulebook_native(c, *args):
         rulebook = RuleBook(out_indices, pairs, num)
         SUBM_RULEBOOKS.put(args[0], layer, rulebook)
         return rulebook
+    if not VALID_SITES.holds(args[0], grid):
+        insert_table(indices, info["batch_size"], info["spatial"], header, st)  # for its flags
+    out_grid = (info["batch_size"], tuple(info["out_shape"]))
+    if use_bitmap(info):
+        bitmap = rulebook_mark(indices, header, info, st)
+        bad, dup, m, full = header.tolist()  # the one host synchronisation (flags and M)
+        if bad or dup or full:
+            return _rulebook_reference(args)
+        VALID_SITES.add(args[0], grid)
+        pairs, num = rulebook_pairs_bitmap(indices, bitmap, ws, info, m, st)
+        CHECKED_PAIRS.put(pairs, num, n, m, False, (None, None, False))
+        out_indices = rulebook_decode_bitmap(bitmap, m, info, st)
+        VALID_SITES.add(out_indices, out_grid)  # the set bits of distinct cells of out_shape
+        return RuleBook(out_indices, pairs, num)
     cand = rulebook_candidates(indices, info, st)
     sorted_keys = torch.sort(cand).values  # ascending; LLONG_MAX (no output) last
     uniq = cand  # the candidates are dead once sorted: their buffer takes the unique keys
@@ -263,7 +349,7 @@ def rulebook_native(c, *args):
     CHECKED_PAIRS.put(pairs, num, n, m, False, (None, None, False))
     out_indices = rulebook_decode(out_keys, info, st)
     # distinct sites inside the output grid by construction (sorted unique keys of out_shape)
-    VALID_SITES.add(out_indices, (info["batch_size"], tuple(info["out_shape"])))
+    VALID_SITES.add(out_indices, out_grid)
     return RuleBook(out_indices, pairs, num)
 
 
@@ -472,10 +558,29 @@ def im2col(src, neighbour_map, dtype, st):
     return cols
 
 
-def use_implicit_gemm(dtype: torch.dtype) -> bool:
-    """Whether the forward / input gradient of `dtype` features take sparse_conv_implicit_gemm."""
+@functools.cache
+def _tensor_core_gemm(device_type: str, index: int) -> bool:
+    if device_type != "cuda" or not native.build_facts().get("limits", {}).get(
+        "sparse_conv.tensor_core_gemm"
+    ):
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
+def tensor_core_gemm(device: torch.device) -> bool:
+    """Whether sparse_conv_implicit_gemm multiplies 16-bit operands on `device`'s tensor cores
+    (the build fact sparse_conv.tensor_core_gemm: CUDA builds; sm_80 or newer, as the entry
+    point itself checks)."""
+    return _tensor_core_gemm(device.type, device.index or 0)
+
+
+def use_implicit_gemm(features: torch.Tensor) -> bool:
+    """Whether the forward / input gradient of `features` take sparse_conv_implicit_gemm."""
     if GEMM_CHOICE == "auto":
-        return dtype in IMPLICIT_GEMM_DTYPES
+        dtype = features.dtype
+        return dtype in IMPLICIT_GEMM_DTYPES or (
+            dtype in TENSOR_CORE_DTYPES and tensor_core_gemm(features.device)
+        )
     return GEMM_CHOICE == "implicit"
 
 
@@ -530,13 +635,14 @@ def im2col_forward(feats, weight, out_map, st):
 
 
 def im2col_backward(grad_out, feats, weight, maps, needs, st):
-    """(grad_x float32 [N, C_in] or None, grad_w float32 [K, C_in, C_out] or None)."""
+    """(grad_x [N, C_in] (float32, or the features' dtype from the implicit GEMM) or None,
+    grad_w float32 [K, C_in, C_out] or None)."""
     out_map, in_map = maps
     K, c_in, c_out = weight.shape
     dtype = gemm_dtype(feats)
     g = grad_out.to(dtype).contiguous()
     grad_x = grad_w = None
-    implicit = use_implicit_gemm(feats.dtype)
+    implicit = use_implicit_gemm(feats)
     implicit_w = use_implicit_wgrad(feats.dtype, c_out)
     if implicit or implicit_w:  # the implicit GEMMs multiply in the features' dtype
         g_same = g if g.dtype == feats.dtype else grad_out.to(feats.dtype).contiguous()
@@ -555,7 +661,7 @@ def im2col_backward(grad_out, feats, weight, maps, needs, st):
         grad_w = grad_w.view(K, c_in, c_out)
     if needs[0] and implicit:
         w_t = weight.to(feats.dtype).permute(0, 2, 1).contiguous()  # [K, C_out, C_in]
-        grad_x = implicit_gemm(g_same, in_map, w_t, torch.float32, st)
+        grad_x = implicit_gemm(g_same, in_map, w_t, feats.dtype, st)  # no cast afterwards
     elif needs[0]:
         w_t = weight.to(dtype).permute(0, 2, 1).reshape(K * c_out, c_in)
         grad_x = _workspace((in_map.shape[0], c_in), torch.float32, feats.device)
@@ -599,7 +705,7 @@ def conv_native(c, features, weight, indice_pairs, indice_pair_num, num_out, inv
         return sparse_conv_reference(*args)  # sums repeated pairs / raises for bad rows
     if maps is not None:
         feats, st = features.contiguous(), stream_handle(features)
-        if use_implicit_gemm(feats.dtype):
+        if use_implicit_gemm(feats):
             w = weight.to(feats.dtype).contiguous()
             return implicit_gemm(feats, maps[0], w, feats.dtype, st)
         out = im2col_forward(feats, weight, maps[0], st)

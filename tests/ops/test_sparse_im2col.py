@@ -156,12 +156,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("gemm", ["im2col", "implicit", "auto"])
+@pytest.mark.parametrize("gemm", ["im2col", "implicit", "auto", "auto-tensor-cores"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [1 << 26, 7 * 27 * 8, 1])  # one chunk, several, a row each
 @pytest.mark.parametrize("case", list(CASES))
 def test_im2col_path_matches_the_reference(emulated, monkeypatch, case, chunk, dtype, gemm):
     monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", chunk)
+    tensor_cores = gemm == "auto-tensor-cores"  # a build and device with them (CUDA sm_80+)
+    monkeypatch.setattr(_sparse_native, "tensor_core_gemm", lambda device: tensor_cores)
+    gemm = "auto" if tensor_cores else gemm
     monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", gemm)
     f, w, p, n, m, inv = sparse_conv.sample_case("cpu", **CASES[case])
     args = (f.to(dtype), w.to(dtype), p, n, m, inv)
@@ -169,10 +172,14 @@ def test_im2col_path_matches_the_reference(emulated, monkeypatch, case, chunk, d
     assert "sparse_conv_gather" not in emulated  # the im2col path ran
     # implicit: the forward and the input gradient by sparse_conv_implicit_gemm, the weight
     # gradient by sparse_conv_implicit_wgrad, no cols; im2col: no implicit GEMM; auto: float32
-    # implicit, the weight gradient too up to WGRAD_MAX_COLUMNS output channels
+    # implicit, the weight gradient too up to WGRAD_MAX_COLUMNS output channels; 16-bit
+    # forward and input gradient implicit where the kernel has tensor cores, weight gradient
+    # im2col
     c_out = w.shape[2]
-    implicit = gemm == "implicit" or (gemm == "auto" and dtype == torch.float32)
-    implicit_w = gemm == "implicit" or (implicit and c_out <= _sparse_native.WGRAD_MAX_COLUMNS)
+    implicit = gemm == "implicit" or (gemm == "auto" and (dtype == torch.float32 or tensor_cores))
+    implicit_w = gemm == "implicit" or (
+        gemm == "auto" and dtype == torch.float32 and c_out <= _sparse_native.WGRAD_MAX_COLUMNS
+    )
     assert emulated.count("sparse_conv_implicit_gemm") == (2 if implicit else 0)
     assert emulated.count("sparse_conv_implicit_wgrad") == (1 if implicit_w else 0)
     assert ("sparse_conv_im2col" in emulated) != implicit_w

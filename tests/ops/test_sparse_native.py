@@ -3,7 +3,8 @@ one): voxelized synthetic LiDAR frames (mu_space.testing.lidar, nuScenes 10-swee
 CenterPoint's 0.075 m grid, SparseEncoder's sparse shape [41, 1440, 1440]), the layers such a
 backbone runs (SubM k3, strided k3 s2 p1, SECOND's (3, 1, 1) s (2, 1, 1) down-sampling, the
 transposed and inverse convs), outputs poisoned (NaN / -1) before the call:
-- rule books equal element by element (pairs, counts, out_indices);
+- rule books equal element by element (pairs, counts, out_indices), strided / transposed ones
+  on both output-site paths (the bitmap and the sort: `rulebook_path`);
 - conv forward / backward and max pool within the tolerance table (mu_space/testing/
   tolerances.py, row sparse_conv), float32 / float16 / bfloat16, odd channel counts (the scalar
   path) and aligned ones (16-byte vectors);
@@ -18,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from mu_space.ops import _opdef, _sparse
+from mu_space.ops import _opdef, _sparse, _sparse_native
 from mu_space.ops.sparse_conv import sparse_conv
 from mu_space.ops.sparse_maxpool import sparse_maxpool
 from mu_space.ops.sparse_rulebook import sparse_rulebook
@@ -63,9 +64,34 @@ def _rulebook(idx, batch, layer, backend, shape=SPARSE_SHAPE):
     return sparse_rulebook(idx, batch, shape, *LAYERS[layer], backend=backend)
 
 
+class _Taken(list):
+    """The stages called, and the path asked for (`path`)."""
+
+
+@pytest.fixture(params=["bitmap", "sort"])
+def rulebook_path(request, monkeypatch):
+    """Strided / transposed rule books on one output-site path: "bitmap" for every grid (up to
+    the bitmap's word limit), "sort" for none; -> the list of the paths' first stages called."""
+    if request.param == "bitmap":
+        monkeypatch.setattr(_sparse_native, "BITMAP_CELLS_PER_CANDIDATE", 2**40)
+    else:
+        monkeypatch.setattr(_sparse_native, "BITMAP_ENABLED", False)
+    taken = _Taken()
+    for name, stage in (("bitmap", "rulebook_mark"), ("sort", "rulebook_candidates")):
+        fn = getattr(_sparse_native, stage)
+
+        def spy(*a, _fn=fn, _name=name):
+            taken.append(_name)
+            return _fn(*a)
+
+        monkeypatch.setattr(_sparse_native, stage, spy)
+    taken.path = request.param
+    return taken
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layer", list(LAYERS))
-def test_rulebook_equals_the_reference_element_by_element(layer):
+def test_rulebook_equals_the_reference_element_by_element(layer, rulebook_path):
     idx, batch = lidar_indices()
     if LAYERS[layer][-1]:  # transposed: on the down-sampled sites (a decoder's input)
         idx = _rulebook(idx, batch, "strided k3 s2 p1", "reference").out_indices
@@ -78,6 +104,30 @@ def test_rulebook_equals_the_reference_element_by_element(layer):
     for name, g, w in zip(("out_indices", "indice_pairs", "indice_pair_num"), got, want):
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(g, w), f"{layer}: {name} differs"
+    assert rulebook_path == ([] if LAYERS[layer][5] else [rulebook_path.path])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_rulebook_of_small_odd_grids_equals_the_reference(rulebook_path, batch):
+    """Grids whose cells are no multiple of 32 (the bitmap's last word partly outside), sites
+    on the grid's faces and corners, every batch, each layer of LAYERS."""
+    device = native_gpu_device()
+    shape = [7, 13, 11]
+    gen = torch.Generator().manual_seed(batch)
+    cells = batch * 7 * 13 * 11
+    keys = torch.randperm(cells, generator=gen)[: cells // 3]
+    keys = torch.cat([keys, torch.tensor([0, cells - 1])]).unique()
+    b, rest = keys // (7 * 13 * 11), keys % (7 * 13 * 11)
+    idx = torch.stack([b, rest // (13 * 11), rest // 11 % 13, rest % 11], 1)
+    idx = idx[torch.randperm(len(idx), generator=gen)].to(torch.int32).to(device)
+    for layer in LAYERS:
+        want = _rulebook(idx, batch, layer, "reference", shape)
+        with _opdef.poisoned_outputs():
+            got = _rulebook(idx, batch, layer, "native", shape)
+        for name, g, w in zip(("out_indices", "indice_pairs", "indice_pair_num"), got, want):
+            assert g.shape == w.shape and torch.equal(g, w), f"{layer}: {name} differs"
+    assert rulebook_path == [rulebook_path.path] * 3  # the three strided / transposed layers
 
 
 @pytest.mark.gpu
@@ -299,6 +349,41 @@ def test_implicit_gemm_conv_matches_the_reference(monkeypatch, layer, c_in, c_ou
     tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("layer", "c_in", "c_out", "inverse"), IMPLICIT_CONVS)
+def test_16_bit_convs_take_the_tensor_core_gemm_by_default(monkeypatch, layer, c_in, c_out,
+                                                          inverse, dtype):  # fmt: skip
+    """The default choice on a CUDA build and an sm_80+ GPU: 16-bit forward and input gradient
+    by sparse_conv_implicit_gemm (its tensor-core kernel), the weight gradient by im2col +
+    torch.mm, within the tolerance table."""
+    from mu_space.ops import _sparse_native
+    from mu_space.runtime import native
+    from tests.helpers import recording_entry_points
+
+    monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", "auto")
+    args, x, w = _im2col_case(layer, c_in, c_out, inverse, dtype)
+    cuda = native.build_facts().get("backend") == "cuda" and x.device.type == "cuda"
+    expected = cuda and torch.cuda.get_device_capability(x.device)[0] >= 8
+    assert _sparse_native.tensor_core_gemm(x.device) == expected
+    if not expected:
+        pytest.skip("no tensor-core implicit GEMM here (MUSA, or CUDA before sm_80)")
+    want = sparse_conv(x, w, *args, backend="reference")
+    called = recording_entry_points(monkeypatch)
+    with _opdef.poisoned_outputs():
+        got = sparse_conv(x, w, *args, backend="native")
+    assert called.count("sparse_conv_implicit_gemm") == 1 and "sparse_conv_im2col" not in called
+    tolerances.assert_close(got, want, op="sparse_conv")
+    g = _feats(len(want), c_out, dtype, 13)
+    want_g = torch.autograd.grad(want, (x, w), g)
+    with _opdef.poisoned_outputs():
+        got_g = torch.autograd.grad(got, (x, w), g)
+    assert called.count("sparse_conv_implicit_gemm") == 2  # + the input gradient
+    assert "sparse_conv_implicit_wgrad" not in called and "sparse_conv_im2col" in called
+    assert got_g[0].dtype == got_g[1].dtype == dtype
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
 def _gathered_products(src, neighbour_map, weight):
     """float64 sum_k src[map[:, k]] @ weight[k], 0 where map is -1 or not a row of src."""
     n, c = src.shape
@@ -473,7 +558,7 @@ def test_maxpool_matches_the_reference_with_ties_and_nan(dtype, channels):
 
 
 @pytest.mark.gpu
-def test_empty_inputs():
+def test_empty_inputs(rulebook_path):
     device = native_gpu_device()
     idx = torch.zeros((0, 4), dtype=torch.int32, device=device)
     for layer in ("subm k3", "strided k3 s2 p1"):
@@ -499,7 +584,7 @@ def test_empty_inputs():
 
 
 @pytest.mark.gpu
-def test_native_raises_the_reference_errors():
+def test_native_raises_the_reference_errors(rulebook_path):
     idx, batch = lidar_indices(keep=2000)
     dup = torch.cat([idx, idx[7:8]])
     bad = idx.clone()
@@ -509,6 +594,7 @@ def test_native_raises_the_reference_errors():
             _rulebook(dup, batch, layer, "native")
         with pytest.raises(ValueError, match="outside"):
             _rulebook(bad, batch, layer, "native")
+    assert rulebook_path == [rulebook_path.path] * 2
     rb = _rulebook(idx, batch, "subm k3", "native")
     x = _feats(len(idx), 4, torch.float32, 8)
     w = torch.ones(27, 4, 4, device=x.device)

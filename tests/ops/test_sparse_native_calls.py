@@ -109,7 +109,45 @@ def test_rulebook_stages_pass_arguments_the_library_accepts(calls, library, case
             "sparse_rulebook_candidates", "sparse_rulebook_unique", "sparse_hash_insert",
             "sparse_rulebook_forward", "sparse_rulebook_decode",
         ]  # fmt: skip
+        with pytest.raises(ReachedRuntime):
+            bitmap = _sparse_native.rulebook_mark(idx, header, info, 0)
+        out_shape = _sparse_native.native_shape(info["out_shape"])
+        ints = int(library["sparse_rulebook_bitmap_workspace_ints"](2, out_shape))
+        bitmap = torch.zeros(ints, dtype=torch.int32)
+        with pytest.raises(ReachedRuntime):
+            _sparse_native.rulebook_pairs_bitmap(idx, bitmap, ws, info, 100, 0)
+        with pytest.raises(ReachedRuntime):
+            _sparse_native.rulebook_decode_bitmap(bitmap, 100, info, 0)
+        want += [
+            "sparse_rulebook_mark", "sparse_rulebook_forward_bitmap",
+            "sparse_rulebook_decode_bitmap",
+        ]  # fmt: skip
     assert calls == want
+
+
+@pytest.mark.parametrize("bitmap", [True, False])
+def test_strided_rulebooks_over_valid_sites_skip_the_input_table(calls, monkeypatch, bitmap):
+    """Input sites known valid for the grid need no table (it gives the flags only); the
+    bitmap / sort choice follows use_bitmap (the tiny grid has < 64 cells a candidate)."""
+    monkeypatch.setattr(_sparse_native, "BITMAP_ENABLED", bitmap)
+    idx, shape = _sparse.tiny_indices("cpu")
+    args = (idx, 2, shape, [3] * 3, [2] * 3, [1] * 3, [1] * 3, [0] * 3, False, False)
+    info = _info(args)
+    assert _sparse_native.use_bitmap(info) is bitmap
+    _sparse_native.VALID_SITES.add(idx, (2, tuple(shape)))
+    c = _opdef.Checked(idx.device, torch.int32, None, info, "indices")
+    with pytest.raises(ReachedRuntime):
+        _sparse_native.rulebook_native(c, *args)
+    assert calls == ["sparse_rulebook_mark" if bitmap else "sparse_rulebook_candidates"]
+
+
+def test_the_bitmap_is_taken_up_to_its_cells_per_candidate(calls):
+    idx, shape = _sparse.tiny_indices("cpu")
+    args = (idx, 1, shape, [3] * 3, [2] * 3, [1] * 3, [1] * 3, [0] * 3, False, False)
+    info = _info(args)
+    limit = _sparse_native.BITMAP_CELLS_PER_CANDIDATE * info["K"] * info["n"]
+    assert _sparse_native.use_bitmap({**info, "out_shape": [limit, 1, 1]})
+    assert not _sparse_native.use_bitmap({**info, "out_shape": [limit + 1, 1, 1]})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -205,6 +243,7 @@ def _base_cases(lib):
     pairs, num = np.zeros((K, 2, P), i32), np.zeros(K, i32)
     counts = _shape(*([0] * K))
     feats = np.zeros((n, C), f32)
+    bitmap = np.zeros(int(lib["sparse_rulebook_bitmap_workspace_ints"](2, _shape(5, 5, 5))), i32)
     return {
         "sparse_hash_insert": (
             [idx, tk, tv, header, 2, _shape(9, 9, 9), 0],
@@ -225,6 +264,18 @@ def _base_cases(lib):
         "sparse_rulebook_decode": (
             [np.zeros(m, i64), np.zeros((m, 4), i32), 2, _shape(5, 5, 5), 0],
             ["keys", "out_indices"],
+        ),
+        "sparse_rulebook_mark": (
+            [idx, bitmap, header, 2, *geo, False, 0],
+            ["indices", "bitmap", "header"],
+        ),
+        "sparse_rulebook_forward_bitmap": (
+            [idx, bitmap, ws, np.zeros((K, 2, n), i32), num, 2, *geo, 1, 5, 0],
+            ["indices", "bitmap", "workspace", "pairs", "pair_num"],
+        ),
+        "sparse_rulebook_decode_bitmap": (
+            [bitmap, np.zeros((m, 4), i32), 2, _shape(5, 5, 5), 0],
+            ["bitmap", "out_indices"],
         ),
         "sparse_pairs_check": (
             [pairs, num, np.zeros(2 * K + 3, i32), n, m, False, 0],
@@ -337,6 +388,19 @@ def test_scalar_arguments_out_of_range_are_value_errors(library):
     assert with_arg("sparse_rulebook_forward", 14, 9)[0] == "ValueError"  # table < 2 * n_rows
     big = _shape(2**31 - 1, 2**31 - 1, 2**31 - 1)
     assert "key range" in with_arg("sparse_rulebook_candidates", 3, big)[1]
+    assert with_arg("sparse_rulebook_forward_bitmap", 12, 0)[0] == "ValueError"  # mode: no SubM
+    assert with_arg("sparse_rulebook_mark", 3, 0)[0] == "ValueError"  # batch_size
+    # out_shape beyond the bitmap's int32 words (2**36 cells) but inside the key range
+    kind, msg = with_arg("sparse_rulebook_mark", 5, _shape(2**12, 2**12, 2**12 + 1))
+    assert kind == "ValueError" and "bitmap limit" in msg, msg
+    with pytest.raises(ValueError, match="bitmap limit"):
+        library["sparse_rulebook_bitmap_workspace_ints"](16, _shape(2**12, 2**12, 2**8 + 1))
+    with pytest.raises(ValueError, match="out_shape"):
+        library["sparse_rulebook_bitmap_workspace_ints"](1, _shape(0, 5, 5))
+    with pytest.raises(ValueError, match="out_shape"):
+        library["sparse_rulebook_bitmap_workspace_ints"](1, _shape(*([2] * 5)))
+    # words | prefix | scan sums: 2 * 5 * 5 * 5 = 250 cells -> 8 words -> 8 + 8 + 4
+    assert int(library["sparse_rulebook_bitmap_workspace_ints"](2, _shape(5, 5, 5))) == 20
     assert with_arg("sparse_hash_insert", 1, _tensor(np.zeros(12, np.int64)))[0] == "ValueError"
     assert with_arg("sparse_conv_gather", 4, 2)[0] == "ValueError"  # side
     assert with_arg("sparse_conv_scatter", 2, _shape(*([1] * 27)))[0] == "ValueError"  # rows
@@ -364,5 +428,6 @@ def test_limits_are_build_facts(library):
         pytest.skip("the library does not load as mu_space's native library here")
     limits = facts["limits"]
     assert limits["sparse_rulebook.max_candidates"] == 2**31 - 2
+    assert limits["sparse_rulebook.max_bitmap_words"] == 2**31 - 2
     assert limits["sparse_conv.max_pairs"] == limits["sparse_maxpool.max_pairs"] == 2**31 - 1
     assert math.prod([27, 2**31 // 27]) <= limits["sparse_conv.max_pairs"]

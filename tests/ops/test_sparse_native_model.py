@@ -11,7 +11,9 @@ Modelled step by step as the kernels do it:
 - the rule-book pipeline of _sparse_native.rulebook_native: SubM lookups in the input table;
   strided / transposed candidates, torch.sort, run starts + exclusive scan -> unique keys, the
   output table, lookups; the per-offset stable compaction by one flat exclusive scan
-  (slot = scan[k N + j] - scan[k N]); the decode;
+  (slot = scan[k N + j] - scan[k N]); the decode; and the bitmap path of the strided /
+  transposed rule book (sparse_rulebook_mark: bits in uint32 words set by atomicOr, popcounts,
+  exclusive scan; the rank lookup of sparse_rulebook_forward_bitmap; the per-word decode);
 - sparse_pairs_check's counts / starts, the one-launch gather (offset of a row by binary search
   in the starts), torch.mm per offset, the per-offset scatter in offset order;
 - the max pool's per-offset maximum (NaN propagates), the unreached-row zeroing and the
@@ -199,7 +201,36 @@ def compact(out_row: np.ndarray, K: int, n: int):
     return pairs, num
 
 
-def model_rulebook(args, seed=0):
+def model_bitmap(reached: np.ndarray, info):
+    """sparse_rulebook_mark, sparse_rulebook_forward_bitmap's lookup and
+    sparse_rulebook_decode_bitmap -> (out_row [K, N] (-1: none), out keys in row order)."""
+    cells = info["batch_size"] * math.prod(info["out_shape"])
+    n_words = (cells + 31) // 32
+    words = np.zeros(n_words, dtype=np.uint32)
+    hit = reached[reached >= 0]
+    np.bitwise_or.at(words, hit >> 5, (np.uint32(1) << (hit & 31).astype(np.uint32)))
+    popc = np.array([bin(int(w)).count("1") for w in words], dtype=np.int64)
+    prefix = exclusive_scan(popc)  # header[kCount] = popc.sum()
+    bit = (np.uint32(1) << (reached & 31).astype(np.uint32)).astype(np.uint32)
+    w = np.where(reached >= 0, reached >> 5, 0)
+    below = words[w] & (bit - np.uint32(1))
+    rank = prefix[w] + np.array([bin(int(v)).count("1") for v in below.reshape(-1)]).reshape(
+        reached.shape
+    )
+    is_set = (reached >= 0) & ((words[w] & bit) != 0)
+    out_row = np.where(is_set, rank, -1)
+    keys = np.full(int(popc.sum()), -1, dtype=np.int64)
+    for i, word in enumerate(words):  # decode_bitmap_kernel: a thread per word, __ffs order
+        row, rest = int(prefix[i]), int(word)
+        while rest:
+            b = (rest & -rest).bit_length() - 1
+            rest &= rest - 1
+            keys[row] = i * 32 + b
+            row += 1
+    return out_row, keys
+
+
+def model_rulebook(args, seed=0, bitmap=False):
     from mu_space.ops.sparse_rulebook import _parse
 
     info = _parse(*args)
@@ -213,6 +244,10 @@ def model_rulebook(args, seed=0):
     if info["subm"]:
         pairs, num = compact(table.lookup(reached), K, n)
         out_indices = indices.copy()
+    elif bitmap:
+        out_row, uniq = model_bitmap(reached, info)
+        pairs, num = compact(out_row, K, n)
+        out_indices = _sparse.decode_keys(torch.from_numpy(uniq), info["out_shape"]).numpy()
     else:
         cand = np.where(reached >= 0, reached, NO_KEY).reshape(-1)
         s = torch.sort(torch.from_numpy(cand)).values.numpy()  # the torch step
@@ -255,8 +290,10 @@ def test_model_rule_book_equals_the_reference(case, shuffle):
     args = (idx, 2, shape, *(_listify(v, 3) for v in (ksize, stride, padding, dilation, out_pad)),
             subm, transposed)  # fmt: skip
     want = sparse_rulebook_reference(*args)
-    for seed in (0, 1):  # two thread orders of the hash inserts
-        out_indices, pairs, num = model_rulebook(args, seed)
+    for seed, bitmap in ((0, False), (1, False), (0, True)):  # two thread orders of the inserts
+        if bitmap and subm:
+            continue  # the bitmap is the strided / transposed output-site path
+        out_indices, pairs, num = model_rulebook(args, seed, bitmap)
         assert np.array_equal(out_indices, want.out_indices.numpy())
         assert np.array_equal(pairs, want.indice_pairs.numpy())
         assert np.array_equal(num, want.indice_pair_num.numpy())
@@ -274,9 +311,10 @@ def test_model_rule_book_2d_random_sites():
         args = (idx, 2, shape, [ksize] * 2, [stride] * 2, [padding] * 2, [1, 1], [0, 0], subm,
                 transposed)  # fmt: skip
         want = sparse_rulebook_reference(*args)
-        got = model_rulebook(args)
-        for a, w in zip(got, want):
-            assert np.array_equal(a, w.numpy())
+        for bitmap in (False, True) if not subm else (False,):
+            got = model_rulebook(args, bitmap=bitmap)
+            for a, w in zip(got, want):
+                assert np.array_equal(a, w.numpy())
 
 
 # --------------------------------------------------------------------------- conv and pool
