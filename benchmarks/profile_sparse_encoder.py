@@ -32,7 +32,7 @@ CATEGORIES = (
     (
         "rule book",
         r"candidates_kernel|decode_kernel|insert_keys_kernel|insert_rows_kernel|"
-        r"pair_count_kernel|pair_emit_kernel|pair_lookup_kernel|run_emit_kernel|run_flags_kernel|"
+        r"pair_tile_scan_kernel|pair_emit_kernel|pair_lookup_kernel|run_emit_kernel|run_flags_kernel|"
         r"mark_kernel|popcount_kernel|decode_bitmap_kernel|"
         r"RadixSort|radix_sort|aten::sort|aten::unique|aten::searchsorted",
     ),

@@ -12,11 +12,12 @@
 //   sparse_rulebook_unique     the sorted unique keys (run starts of the sorted candidates,
 //                              exclusive scan): uniq[0 .. M), header[kCount] = M
 //   sparse_rulebook_forward    the pairs: per (k, j) the reached key looked up in the table (SubM:
-//                              the input table, else the output table) -> output row or -1, an
-//                              exclusive scan of the flags over the flattened [K, N] candidates
-//                              (slot of (k, j) = scan[k N + j] - scan[k N]: a stable compaction
-//                              per offset, so pairs stay in ascending input row), the -1 fill,
-//                              the emit and the K counts
+//                              the input table, else the output table) -> output row or -1, and
+//                              a stable compaction per offset (pairs stay in ascending input
+//                              row) over tiles of 4096 inputs: the lookups count each tile's
+//                              pairs, a block per offset scans its tiles' counts (-> the K
+//                              counts), and each tile emits its pairs at its prefix plus a block
+//                              scan and writes the -1 padding of its positions past the count
 //   sparse_rulebook_decode     uniq keys -> out_indices [M, ndim + 1] (b, spatial...)
 // or, strided / transposed over an output grid of at most a few cells per candidate (the caller
 // picks), a bitmap of the output grid instead of the sort, the unique keys and the output table:
@@ -160,42 +161,96 @@ struct BitmapLookup {
   }
 };
 
+// The pairs' compaction: offset k's inputs in tiles of kPairTile; block b = k * tiles + t.
+constexpr int kPairItems = 16;
+constexpr int kPairTile = kBlock * kPairItems;
+
+// Per (k, j) of the block's tile: the output row (-1: none) into out_row[k N + j] and the
+// tile's count of pairs into tile_count[b]. Items strided by kBlock: coalesced.
 template <typename Lookup>
 __global__ void __launch_bounds__(kBlock)
-    pair_lookup_kernel(const int* __restrict__ indices, int n, Geometry g, int64_t total,
-                       Lookup lookup, int n_rows, int* __restrict__ out_row,
-                       int* __restrict__ flags) {
-  for (int64_t e = global_thread(); e < total; e += global_threads()) {
-    const int64_t k = e / n;
-    const int64_t j = e - k * n;
+    pair_lookup_kernel(const int* __restrict__ indices, int n, int tiles, Geometry g, Lookup lookup,
+                       int n_rows, int* __restrict__ out_row, int* __restrict__ tile_count) {
+  __shared__ int s[kBlock];
+  const int64_t b = blockIdx.x;
+  const int64_t k = b / tiles;
+  const int64_t j0 = (b - k * tiles) * kPairTile + threadIdx.x;
+  int mine = 0;
+#pragma unroll 4
+  for (int i = 0; i < kPairItems; ++i) {
+    const int64_t j = j0 + static_cast<int64_t>(i) * kBlock;
+    if (j >= n) break;
     const int64_t key = reached_key(g, indices + j * (g.ndim + 1), k);
     int row = key >= 0 ? lookup(key) : -1;
     if (row >= n_rows) row = -1;  // a row the table cannot hold (bad input): no pair
-    out_row[e] = row;
-    flags[e] = row >= 0 ? 1 : 0;
+    out_row[k * n + j] = row;
+    mine += row >= 0 ? 1 : 0;
   }
-  if (global_thread() == 0) flags[total] = 0;  // the scan's last entry: the grand total
+  const int total = scan::block_sum(mine, s);
+  if (threadIdx.x == 0) tile_count[b] = total;
 }
 
+// A block per offset k: tile_prefix[k * tiles + t] = the pairs of k's tiles before t, num[k]
+// = k's pairs.
 __global__ void __launch_bounds__(kBlock)
-    pair_emit_kernel(int n, int64_t total, const int* __restrict__ out_row,
-                     const int* __restrict__ scan, int* __restrict__ pairs) {
-  for (int64_t e = global_thread(); e < total; e += global_threads()) {
-    const int row = out_row[e];
-    if (row < 0) continue;
-    const int64_t k = e / n;
-    const int64_t j = e - k * n;
-    const int64_t slot = static_cast<int64_t>(scan[e]) - scan[k * n];
-    if (slot < 0 || slot >= n) continue;
-    pairs[(2 * k) * n + slot] = static_cast<int>(j);
-    pairs[(2 * k + 1) * n + slot] = row;
+    pair_tile_scan_kernel(int tiles, const int* __restrict__ tile_count,
+                          int* __restrict__ tile_prefix, int* __restrict__ num) {
+  __shared__ int s[kBlock];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * tiles;
+  int carry = 0;
+  for (int t0 = 0; t0 < tiles; t0 += kBlock) {
+    const int t = t0 + static_cast<int>(threadIdx.x);
+    const int v = t < tiles ? tile_count[base + t] : 0;
+    int total = 0;
+    const int before = scan::block_exclusive_scan(v, s, total);
+    if (t < tiles) tile_prefix[base + t] = carry + before;
+    carry += total;
   }
+  if (threadIdx.x == 0) num[blockIdx.x] = carry;
 }
 
+// The block's tile of offset k: its pairs at slot tile_prefix[b] + (pairs before them in the
+// tile: a block scan over runs of kPairItems consecutive inputs per thread), then -1 at the
+// tile's positions j >= num[k] (pairs [K, 2, N]: every position written once, by the emit or
+// here, so no fill beforehand).
 __global__ void __launch_bounds__(kBlock)
-    pair_count_kernel(int n, int k_volume, const int* __restrict__ scan, int* __restrict__ num) {
-  for (int64_t k = global_thread(); k < k_volume; k += global_threads()) {
-    num[k] = scan[(k + 1) * n] - scan[k * n];
+    pair_emit_kernel(int n, int tiles, const int* __restrict__ out_row,
+                     const int* __restrict__ tile_prefix, const int* __restrict__ num,
+                     int* __restrict__ pairs) {
+  __shared__ int s[kBlock];
+  const int64_t b = blockIdx.x;
+  const int64_t k = b / tiles;
+  const int64_t tile0 = (b - k * tiles) * kPairTile;
+  const int64_t j0 = tile0 + static_cast<int64_t>(threadIdx.x) * kPairItems;
+  const int* rows = out_row + k * n;
+  int row[kPairItems];
+  int mine = 0;
+#pragma unroll
+  for (int i = 0; i < kPairItems; ++i) {
+    row[i] = j0 + i < n ? rows[j0 + i] : -1;
+    mine += row[i] >= 0 ? 1 : 0;
+  }
+  int total = 0;
+  int slot = tile_prefix[b] + scan::block_exclusive_scan(mine, s, total);
+  int* in_side = pairs + 2 * k * n;
+  int* out_side = in_side + n;
+#pragma unroll
+  for (int i = 0; i < kPairItems; ++i) {
+    if (row[i] < 0) continue;
+    if (slot >= 0 && slot < n) {
+      in_side[slot] = static_cast<int>(j0 + i);
+      out_side[slot] = row[i];
+    }
+    ++slot;
+  }
+  const int count = num[k];
+#pragma unroll 4
+  for (int i = 0; i < kPairItems; ++i) {
+    const int64_t j = tile0 + static_cast<int64_t>(i) * kBlock + threadIdx.x;
+    if (j < n && j >= count) {
+      in_side[j] = -1;
+      out_side[j] = -1;
+    }
   }
 }
 
@@ -301,6 +356,23 @@ int64_t bitmap_words(int64_t batch, const int64_t* out_shape, int ndim) {
   return (cells + 31) / 32;
 }
 
+// sparse_rulebook_forward's workspace (int32): out_row [K N] | tile counts [K T] | tile
+// prefixes [K T], T = the tiles of kPairTile inputs
+struct PairLayout {
+  int64_t out_row, tile_count, tile_prefix, ints;
+  int tiles;
+};
+
+PairLayout pair_layout(int64_t k_volume, int64_t n) {
+  PairLayout l;
+  l.tiles = static_cast<int>(std::max<int64_t>((n + kPairTile - 1) / kPairTile, 1));
+  l.out_row = 0;
+  l.tile_count = round4(k_volume * n);
+  l.tile_prefix = l.tile_count + round4(k_volume * l.tiles);
+  l.ints = l.tile_prefix + round4(k_volume * l.tiles);
+  return l;
+}
+
 void check_candidates(int64_t k_volume, int64_t n) {
   if (n > 0 && k_volume > kMaxCandidates / n) {
     TVM_FFI_THROW(ValueError) << "K * N = " << k_volume << " * " << n
@@ -373,10 +445,10 @@ void check_header(const TensorView& header, const TensorView& ref) {
   check_vector(header, "header", ref, kInt32, kHeaderInts);
 }
 
-void check_workspace(const TensorView& ws, const TensorView& ref, int64_t total) {
+// the workspace of sparse_rulebook_workspace_ints: `need` int32 at least
+void check_workspace(const TensorView& ws, const TensorView& ref, int64_t need) {
   check_input(ws, "workspace", ref, kInt32);
   check_ndim(ws, "workspace", 1);
-  const int64_t need = layout(total).ints;
   if (ws.size(0) < need) {
     TVM_FFI_THROW(ValueError) << "workspace must hold " << need << " int32 (from "
                               << "sparse_rulebook_workspace_ints), got " << ws.size(0);
@@ -398,7 +470,7 @@ int64_t workspace_ints(int64_t k_volume, int64_t n) {
                               << " out of range";
   }
   check_candidates(k_volume, n);
-  return layout(k_volume * n).ints;
+  return std::max(layout(k_volume * n).ints, pair_layout(k_volume, n).ints);
 }
 
 // source: indices [N, ndim + 1] int32 (key of each row in the grid batch_size x shape; the row
@@ -505,7 +577,7 @@ void unique_entry(TensorView sorted_keys, TensorView uniq, TensorView workspace,
                               << kMaxCandidates;
   }
   check_vector(uniq, "uniq", sorted_keys, kInt64, total);
-  check_workspace(workspace, sorted_keys, total);
+  check_workspace(workspace, sorted_keys, layout(total).ints);
   check_header(header, sorted_keys);
   const int device_id = sorted_keys.device().device_id;
   DeviceGuard guard(device_id);
@@ -548,7 +620,7 @@ Geometry check_forward(const TensorView& indices, const TensorView& workspace,
   if (n_rows < 0 || n_rows > INT_MAX) {
     TVM_FFI_THROW(ValueError) << "n_rows must be in [0, " << INT_MAX << "], got " << n_rows;
   }
-  check_workspace(workspace, indices, k_volume * n);
+  check_workspace(workspace, indices, pair_layout(k_volume, n).ints);
   check_input(pairs, "pairs", indices, kInt32);
   check_ndim(pairs, "pairs", 3);
   check_size(pairs, "pairs", 0, k_volume);
@@ -566,26 +638,23 @@ void launch_pairs(const TensorView& indices, const Geometry& g, Lookup lookup, i
                   int device_id, gpuStream_t st, const char* what) {
   const int64_t n = indices.size(0);
   const int64_t k_volume = kernel_volume(g);
-  const int64_t total = k_volume * n;
   if (n == 0) {
     launch_zero(data_of(pair_num), k_volume * 4, device_id, st, what);
     return;
   }
-  const Layout l = layout(total);
+  const PairLayout l = pair_layout(k_volume, n);
   int* ws = data_of<int>(workspace);
-  int* out_row = ws + l.out_row;
-  int* scan = ws + l.scan;
-  pair_lookup_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
-      data_of<const int>(indices), static_cast<int>(n), g, total, lookup, static_cast<int>(n_rows),
-      out_row, scan);
+  const int64_t blocks = k_volume * l.tiles;  // <= K N <= INT_MAX - 1
+  pair_lookup_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, st>>>(
+      data_of<const int>(indices), static_cast<int>(n), l.tiles, g, lookup,
+      static_cast<int>(n_rows), ws + l.out_row, ws + l.tile_count);
   check_launch(what);
-  scan::exclusive_scan(scan, scan, total + 1, ws + l.sums, nullptr, st, what);
-  launch_fill(data_of(pairs), 2 * total * 4, fill_word(-1), device_id, st, what);
-  pair_emit_kernel<<<blocks_for(total, device_id), kBlock, 0, st>>>(
-      static_cast<int>(n), total, out_row, scan, data_of<int>(pairs));
+  pair_tile_scan_kernel<<<static_cast<unsigned>(k_volume), kBlock, 0, st>>>(
+      l.tiles, ws + l.tile_count, ws + l.tile_prefix, data_of<int>(pair_num));
   check_launch(what);
-  pair_count_kernel<<<blocks_for(k_volume, device_id), kBlock, 0, st>>>(
-      static_cast<int>(n), static_cast<int>(k_volume), scan, data_of<int>(pair_num));
+  pair_emit_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, st>>>(
+      static_cast<int>(n), l.tiles, ws + l.out_row, ws + l.tile_prefix,
+      data_of<const int>(pair_num), data_of<int>(pairs));
   check_launch(what);
 }
 

@@ -10,9 +10,10 @@ Rule book (`rulebook_native`), the reference's layout and order element by eleme
   SubM (a rule book already built for the same live sites and layer geometry is returned as
   is: SUBM_RULEBOOKS):
   2. `sparse_rulebook_forward` (mode 0): for every (offset k, input j) the reached site looked
-     up in the input table -> output row or -1; an exclusive scan of the flags over the
-     flattened [K, N] candidates; the pairs of offset k are the flagged j in ascending order
-     (slot = scan[k N + j] - scan[k N]), then -1; the K counts.
+     up in the input table -> output row or -1; the pairs of offset k are the found j in
+     ascending order, then -1, and the K counts (three launches: lookups with a count per tile
+     of 4096 inputs, a scan of each offset's tile counts, the emit at tile prefix + in-tile
+     rank with the -1 padding).
   3. one host synchronisation: the header (flags) -> the reference's error when a flag is set;
      none where the indices are a native rule book's output sites for this grid (VALID_SITES).
   strided / transposed (step 1 only where the input sites are not VALID_SITES of this grid:

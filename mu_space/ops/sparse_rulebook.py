@@ -10,11 +10,13 @@ computes every output site an input reaches, takes the sorted unique keys as the
 offset are compacted in ascending input row (a cumulative sum). Vectorised over points and
 offsets; no Python loop over points.
 
-Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_rulebook_musa.mu; GPU
-suite, memcheck and racecheck clean on an H200): a GPU hash table of the input keys (SubM
-lookups) or of the sorted unique output keys (strided / transposed: candidates -> torch.sort ->
-unique), then a stable per-offset compaction by one exclusive scan: the same layout and order, so
-the native and reference rule books are equal element by element. One host synchronisation (the
+Native part (mu_space/ops/_sparse_native.py, csrc/sparse/sparse_rulebook_musa.mu; verified
+on an H200: docs/operators/sparse_conv.md): a GPU hash table of the input keys (SubM lookups);
+for strided / transposed the output sites as the set bits of a bitmap of the output grid, a
+row's rank among them its output row (grids of at most 64 cells per (offset, input) candidate),
+or the sorted unique output keys in a second hash table (candidates -> torch.sort -> unique);
+then a stable per-offset compaction over tiles of inputs: the same layout and order, so the
+native and reference rule books are equal element by element. One host synchronisation (the
 error flags, and M for strided / transposed); none for a SubM rule book over sites already
 checked for the same grid (_sparse_native.VALID_SITES).
 """

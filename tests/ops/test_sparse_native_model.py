@@ -10,8 +10,8 @@ Modelled step by step as the kernels do it:
 - reached_key (C semantics: truncating division and remainder);
 - the rule-book pipeline of _sparse_native.rulebook_native: SubM lookups in the input table;
   strided / transposed candidates, torch.sort, run starts + exclusive scan -> unique keys, the
-  output table, lookups; the per-offset stable compaction by one flat exclusive scan
-  (slot = scan[k N + j] - scan[k N]); the decode; and the bitmap path of the strided /
+  output table, lookups; the per-offset stable compaction over tiles of inputs (tile counts, a scan per offset, in-tile ranks, the -1 tails); the
+  decode; and the bitmap path of the strided /
   transposed rule book (sparse_rulebook_mark: bits in uint32 words set by atomicOr, popcounts,
   exclusive scan; the rank lookup of sparse_rulebook_forward_bitmap; the per-word decode);
 - sparse_pairs_check's counts / starts, the one-launch gather (offset of a row by binary search
@@ -187,17 +187,31 @@ def exclusive_scan(flags: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(flags)[:-1])).astype(np.int64)
 
 
-def compact(out_row: np.ndarray, K: int, n: int):
-    """pair_lookup's flags, one flat exclusive scan of K * N + 1 entries, pair_emit, counts."""
-    flat = out_row.reshape(-1)
-    scan = exclusive_scan(np.concatenate(((flat >= 0).astype(np.int64), [0])))
-    pairs = np.full((K, 2, n), -1, dtype=np.int64)
-    for e in np.nonzero(flat >= 0)[0]:
-        k, j = divmod(int(e), n)
-        slot = scan[e] - scan[k * n]
-        pairs[k, 0, slot] = j
-        pairs[k, 1, slot] = flat[e]
-    num = np.array([scan[(k + 1) * n] - scan[k * n] for k in range(K)])
+PAIR_TILE = 4096  # kPairTile of sparse_rulebook_musa.mu: 256 threads x 16 inputs
+
+
+def compact(out_row: np.ndarray, K: int, n: int, tile: int = PAIR_TILE):
+    """sparse_rulebook_forward's compaction: per offset, tiles of `tile` inputs; the lookups
+    count each tile's pairs, a block per offset scans the counts (-> indice_pair_num), each tile
+    emits its pairs at its prefix + their rank inside the tile and writes -1 at its positions
+    past the offset's count."""
+    tiles = max(-(-n // tile), 1)
+    pairs = np.full((K, 2, n), -7, dtype=np.int64)  # every position must be written
+    num = np.zeros(K, dtype=np.int64)
+    for k in range(K):
+        rows = out_row[k]
+        counts = [int((rows[t * tile : (t + 1) * tile] >= 0).sum()) for t in range(tiles)]
+        prefix = exclusive_scan(np.array(counts + [0]))
+        num[k] = sum(counts)
+        for t in range(tiles):
+            j = np.arange(t * tile, min((t + 1) * tile, n))
+            hit = j[rows[j] >= 0]
+            slots = prefix[t] + np.arange(len(hit))
+            pairs[k, 0, slots] = hit
+            pairs[k, 1, slots] = rows[hit]
+            tail = j[j >= num[k]]
+            pairs[k, :, tail] = -1
+    assert not (pairs == -7).any()
     return pairs, num
 
 
@@ -230,7 +244,7 @@ def model_bitmap(reached: np.ndarray, info):
     return out_row, keys
 
 
-def model_rulebook(args, seed=0, bitmap=False):
+def model_rulebook(args, seed=0, bitmap=False, tile=PAIR_TILE):
     from mu_space.ops.sparse_rulebook import _parse
 
     info = _parse(*args)
@@ -242,11 +256,11 @@ def model_rulebook(args, seed=0, bitmap=False):
     assert not flags["duplicate"] and not flags["full"]
     reached = reached_keys(indices, info)
     if info["subm"]:
-        pairs, num = compact(table.lookup(reached), K, n)
+        pairs, num = compact(table.lookup(reached), K, n, tile)
         out_indices = indices.copy()
     elif bitmap:
         out_row, uniq = model_bitmap(reached, info)
-        pairs, num = compact(out_row, K, n)
+        pairs, num = compact(out_row, K, n, tile)
         out_indices = _sparse.decode_keys(torch.from_numpy(uniq), info["out_shape"]).numpy()
     else:
         cand = np.where(reached >= 0, reached, NO_KEY).reshape(-1)
@@ -258,7 +272,7 @@ def model_rulebook(args, seed=0, bitmap=False):
         uniq[row[start]] = s[start]
         out_table, oflags = build_table(uniq, rng)
         assert not oflags["duplicate"]
-        pairs, num = compact(out_table.lookup(reached), K, n)
+        pairs, num = compact(out_table.lookup(reached), K, n, tile)
         out_indices = _sparse.decode_keys(torch.from_numpy(uniq), info["out_shape"]).numpy()
     return out_indices, pairs, num
 
@@ -290,10 +304,12 @@ def test_model_rule_book_equals_the_reference(case, shuffle):
     args = (idx, 2, shape, *(_listify(v, 3) for v in (ksize, stride, padding, dilation, out_pad)),
             subm, transposed)  # fmt: skip
     want = sparse_rulebook_reference(*args)
-    for seed, bitmap in ((0, False), (1, False), (0, True)):  # two thread orders of the inserts
+    # two thread orders of the inserts; the bitmap (strided / transposed only); tiles of 7 inputs
+    # (the tiny frame fits one tile of 4096: the tiling's prefixes and tails checked too)
+    for seed, bitmap, tile in ((0, False, PAIR_TILE), (1, False, 7), (0, True, PAIR_TILE)):
         if bitmap and subm:
             continue  # the bitmap is the strided / transposed output-site path
-        out_indices, pairs, num = model_rulebook(args, seed, bitmap)
+        out_indices, pairs, num = model_rulebook(args, seed, bitmap, tile)
         assert np.array_equal(out_indices, want.out_indices.numpy())
         assert np.array_equal(pairs, want.indice_pairs.numpy())
         assert np.array_equal(num, want.indice_pair_num.numpy())
