@@ -149,7 +149,7 @@ group_files() {  # group_files GROUP: the test files of a sanitizer group
     pooling) echo "${t}points_in_boxes.py ${t}roiaware_pool3d.py ${t}roipoint_pool3d.py" ;;
     pib) echo "${t}points_in_boxes.py" ;;
     roi) echo "${t}roiaware_pool3d.py ${t}roipoint_pool3d.py" ;;
-    sparse | sparse_gemm*) echo "${t}sparse_native.py" ;;
+    sparse | sparse_gemm* | sparse_rulebook) echo "${t}sparse_native.py" ;;
     pillar) echo "${t}pillar_scatter.py" ;;
     # the BEV family's kernels (issue 13), outside the LiDAR suite but on the same sanitizer run
     bev | bev_mem | bev_race) echo "${t}bev_pool_v2.py ${t}bev_pool.py" ;;
@@ -200,9 +200,15 @@ group_full_k() {
     sparse_gemm_wide) echo "implicit_gemm_conv_matches and (64-128 or 20-70 or 3-1)" ;;
     # the tensor-core kernel (16-bit sparse_conv_implicit_gemm on CUDA sm_80+): its entry-point
     # cases (dtype0 there is float32), the default-choice conv cases and the bit-exact one
+    # (memcheck; racecheck of the default-choice cases, whose weight gradient is cuBLAS's 16-bit
+    # GEMM, stopped at the first with "Internal Sanitizer Error: The Sanitizer failed to handle a
+    # hardware exception" on the H200, 2026-12-03, as the im2col bfloat16 case did on 2026-12-02)
     sparse_gemm_tc) echo "(implicit_gemm_entry and (dtype1 or dtype2)) or tensor_core_gemm" ;;
-    # its bit-exactness case apart: the racecheck of sparse_gemm_tc with it (H200, 2026-12-02)
-    # reported one hazard and errored the tests after it, a log lost with that machine
+    # racecheck of the tensor-core kernel without cuBLAS: its entry-point cases, the conv cases
+    # with every GEMM implicit (16-bit forward and input gradient on the tensor cores, the SIMT
+    # weight gradient) and the bfloat16 bit-exactness case of that path
+    sparse_gemm_tc_entry) echo "implicit_gemm_entry and (dtype1 or dtype2)" ;;
+    sparse_gemm_tc_conv) echo "implicit_gemm_conv_matches and (dtype1 or dtype2)" ;;
     sparse_gemm_tc_exact) echo "bit_exact and dtype1 and implicit" ;;
     # the rule-book kernels on both output-site paths (bitmap, sort), errors and empty inputs
     sparse_rulebook) echo "rulebook or empty_inputs or raises_the_reference" ;;

@@ -175,12 +175,13 @@ __global__ void __launch_bounds__(kBlock)
   const int64_t b = blockIdx.x;
   const int64_t k = b / tiles;
   const int64_t j0 = (b - k * tiles) * kPairTile + threadIdx.x;
+  const OffsetReach reach = offset_reach(g, k);
   int mine = 0;
 #pragma unroll 4
   for (int i = 0; i < kPairItems; ++i) {
     const int64_t j = j0 + static_cast<int64_t>(i) * kBlock;
     if (j >= n) break;
-    const int64_t key = reached_key(g, indices + j * (g.ndim + 1), k);
+    const int64_t key = reached_key_at(g, reach, indices + j * (g.ndim + 1));
     int row = key >= 0 ? lookup(key) : -1;
     if (row >= n_rows) row = -1;  // a row the table cannot hold (bad input): no pair
     out_row[k * n + j] = row;
@@ -254,14 +255,37 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// key (b * prod(out_shape) + row-major site) -> (b, q...) at row
+// key (b * prod(out_shape) + row-major site) -> (b, q...) at row; 32-bit divisions where a
+// batch's grid has at most INT_MAX cells (every LiDAR grid here)
 __device__ __forceinline__ void decode_key(int64_t key, const Geometry& g, int* __restrict__ row) {
   if (key < 0) key = 0;  // bad input: a valid site instead of an unbounded value
-  for (int a = g.ndim - 1; a >= 0; --a) {
-    row[a + 1] = static_cast<int>(key % g.out_shape[a]);
-    key /= g.out_shape[a];
+  int64_t cells = 1;
+#pragma unroll
+  for (int a = 0; a < kMaxNdim; ++a) {
+    if (a < g.ndim) cells *= g.out_shape[a];
   }
-  row[0] = static_cast<int>(key < INT_MAX ? key : INT_MAX);
+  const int64_t b = key / cells;
+  int64_t rest = key - b * cells;
+  if (cells <= INT_MAX) {
+    uint32_t r = static_cast<uint32_t>(rest);
+#pragma unroll
+    for (int i = 0; i < kMaxNdim; ++i) {
+      const int a = kMaxNdim - 1 - i;
+      if (a >= g.ndim) continue;
+      const uint32_t size = static_cast<uint32_t>(g.out_shape[a]);
+      row[a + 1] = static_cast<int>(r % size);
+      r /= size;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kMaxNdim; ++i) {
+      const int a = kMaxNdim - 1 - i;
+      if (a >= g.ndim) continue;
+      row[a + 1] = static_cast<int>(rest % g.out_shape[a]);
+      rest /= g.out_shape[a];
+    }
+  }
+  row[0] = static_cast<int>(b < INT_MAX ? b : INT_MAX);
 }
 
 __global__ void __launch_bounds__(kBlock)
@@ -273,13 +297,19 @@ __global__ void __launch_bounds__(kBlock)
 
 // ------------------------------------------------------------------------- bitmap kernels
 
+// The block's tile of offset k (the pair kernels' tiling: the offset decoded once per thread).
 __global__ void __launch_bounds__(kBlock)
-    mark_kernel(const int* __restrict__ indices, int n, Geometry g, int64_t total,
+    mark_kernel(const int* __restrict__ indices, int n, int tiles, Geometry g,
                 uint32_t* __restrict__ words) {
-  for (int64_t e = global_thread(); e < total; e += global_threads()) {
-    const int64_t k = e / n;
-    const int64_t j = e - k * n;
-    const int64_t key = reached_key(g, indices + j * (g.ndim + 1), k);
+  const int64_t b = blockIdx.x;
+  const int64_t k = b / tiles;
+  const int64_t j0 = (b - k * tiles) * kPairTile + threadIdx.x;
+  const OffsetReach reach = offset_reach(g, k);
+#pragma unroll 4
+  for (int i = 0; i < kPairItems; ++i) {
+    const int64_t j = j0 + static_cast<int64_t>(i) * kBlock;
+    if (j >= n) break;
+    const int64_t key = reached_key_at(g, reach, indices + j * (g.ndim + 1));
     if (key < 0) continue;
     uint32_t* word = words + (key >> 5);
     const uint32_t bit = 1u << (key & 31);
@@ -720,8 +750,9 @@ void mark_entry(TensorView indices, TensorView bitmap, TensorView header, int64_
   uint32_t* words = reinterpret_cast<uint32_t*>(ws + l.words);
   launch_zero(words, n_words * 4, device_id, st, "sparse_rulebook_mark (zero)");
   if (n > 0) {
-    mark_kernel<<<blocks_for(k_volume * n, device_id), kBlock, 0, st>>>(
-        data_of<const int>(indices), static_cast<int>(n), g, k_volume * n, words);
+    const int tiles = pair_layout(k_volume, n).tiles;
+    mark_kernel<<<static_cast<unsigned>(k_volume * tiles), kBlock, 0, st>>>(
+        data_of<const int>(indices), static_cast<int>(n), tiles, g, words);
     check_launch("sparse_rulebook_mark mark_kernel");
   }
   popcount_kernel<<<blocks_for(n_words, device_id), kBlock, 0, st>>>(words, n_words, ws + l.prefix);
