@@ -346,15 +346,15 @@ __global__ void __launch_bounds__(kBlock)
 
 int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
 
+// sparse_rulebook_unique's workspace (int32): run-start flags / their scan [T + 1] | tile sums
 struct Layout {
-  int64_t out_row, scan, sums, ints;
+  int64_t scan, sums, ints;
 };
 
 Layout layout(int64_t total) {
   Layout l;
-  l.out_row = 0;
-  l.scan = round4(total);
-  l.sums = l.scan + round4(total + 1);
+  l.scan = 0;
+  l.sums = round4(total + 1);
   l.ints = l.sums + round4(std::max<int64_t>(scan::scan_tiles(total + 1), 1));
   return l;
 }

@@ -25,7 +25,7 @@ Rule book (`rulebook_native`), the reference's layout and order element by eleme
   3. one host synchronisation: the header (flags and M); 4. `sparse_rulebook_forward_bitmap`
      (mode 1 / 2): the rank as the lookup, the same per-offset compaction;
      5. `sparse_rulebook_decode_bitmap`: the set bits -> out_indices.
-  Larger output grids (no sort of K N keys costs less than a bitmap of them):
+  Larger output grids (where the bitmap would move more bytes than the sort):
   2. `sparse_rulebook_candidates`: the key each (k, j) reaches ([K N] int64, LLONG_MAX where
      none); 3. torch.sort of the candidates (values only: the one step done by torch, between
      two launches, no synchronisation); 4. `sparse_rulebook_unique`: run starts + scan -> the
