@@ -149,7 +149,7 @@ group_files() {  # group_files GROUP: the test files of a sanitizer group
     pooling) echo "${t}points_in_boxes.py ${t}roiaware_pool3d.py ${t}roipoint_pool3d.py" ;;
     pib) echo "${t}points_in_boxes.py" ;;
     roi) echo "${t}roiaware_pool3d.py ${t}roipoint_pool3d.py" ;;
-    sparse | sparse_gemm* | sparse_rulebook) echo "${t}sparse_native.py" ;;
+    sparse | sparse_gemm* | sparse_rulebook | sparse_order*) echo "${t}sparse_native.py" ;;
     pillar) echo "${t}pillar_scatter.py" ;;
     # the BEV family's kernels (issue 13), outside the LiDAR suite but on the same sanitizer run
     bev | bev_mem | bev_race) echo "${t}bev_pool_v2.py ${t}bev_pool.py" ;;
@@ -212,6 +212,10 @@ group_full_k() {
     sparse_gemm_tc_exact) echo "bit_exact and dtype1 and implicit" ;;
     # the rule-book kernels on both output-site paths (bitmap, sort), errors and empty inputs
     sparse_rulebook) echo "rulebook or empty_inputs or raises_the_reference" ;;
+    # the implicit GEMMs' per-tile offset lists and row orders (2026-12-03): the row-order entry
+    # point, the entry points with and without an order, the conv cases in both orders
+    sparse_order) echo "row_order or (implicit_gemm_entry and True)" ;;
+    sparse_order_race) echo "row_order_entry or (implicit_gemm_entry and True)" ;;
   esac
 }
 

@@ -34,13 +34,24 @@
 //                       step, the next step's global loads in flight during the multiply), and a
 //                       step in which none of the tile's 64 rows has a neighbour is skipped.
 //                       Each output element is one thread's sum in (k, channel) order: no atomics,
-//                       deterministic.
+//                       deterministic. A tile first collects the offsets its rows have (K <= 32)
+//                       and steps through those only: no loads, barriers or products for the
+//                       others. An optional row order (a permutation of the map's rows) says
+//                       which row each tile position takes: rows grouped by their masks
+//                       (sparse_conv_row_order) make a tile's rows share their offsets, so it
+//                       has fewer; the sums are the same.
 //   sparse_conv_implicit_wgrad
 //                       grad_weight[k] = sum_r src[map[r, k]]^T grad[r] without the cols buffer:
 //                       a block per (4 offsets, 16 input channels, BN output columns, split of
 //                       the rows), the rows staged 32 at a time in shared memory (the 4 offsets
 //                       share the grad rows), per-split partial sums in a workspace, then one
 //                       thread per weight element adds the splits in order: deterministic.
+//                       The same optional row order (the rows summed in that order).
+//   sparse_conv_row_order
+//                       order = the map's rows sorted by their masks (bit k: map[r, k] >= 0,
+//                       K <= 32) within windows of 4096 rows, ties by row: one launch, a block
+//                       per window sorting (mask, row) keys in shared memory (a bitonic
+//                       network), deterministic.
 //
 // Every data-dependent row is bounds-checked: a bad row gathers zeros / is skipped.
 
@@ -256,14 +267,101 @@ constexpr int kGemmRows = 64;   // BM: output rows per block
 constexpr int kGemmDepth = 16;  // BK: input channels per step
 constexpr int kGemmRowPad = 4;  // a_tile's row stride 68 floats: 16-byte rows, 2-way store banks
 
+// The map / output row at tile position r: order[r] (a permutation of [0, rows)) or r itself
+// without an order; -1 past the end, or for an order entry outside [0, rows) (bad input: that
+// position does nothing).
+__device__ __forceinline__ int64_t physical_row(const int* __restrict__ order, int64_t r,
+                                                int64_t rows) {
+  if (r >= rows) return -1;
+  if (order == nullptr) return r;
+  const int64_t p = order[r];
+  return p >= 0 && p < rows ? p : -1;
+}
+
+constexpr int kOrderWindow = 4096;  // rows sorted together (32 KB of keys)
+constexpr int kOrderThreads = 512;
+// A block per window of kOrderWindow rows: keys (mask << 32 | row in the window), distinct, so
+// the ascending bitonic sort is the stable sort by mask; padding keys sort last. The masks are
+// OR-ed into the keys' high words from coalesced reads of the window's map rows (contiguous):
+// one thread per row reading its K entries took ~50 us a call on the H200 (29 blocks of latency).
+__global__ void __launch_bounds__(kOrderThreads)
+    row_order_kernel(const int* __restrict__ map, int k_volume, int64_t rows,
+                     int* __restrict__ order) {
+  __shared__ unsigned long long key[kOrderWindow];
+  // key[i]'s high 32 bits as a word (little-endian, as CUDA and MUSA GPUs are)
+  unsigned* high = reinterpret_cast<unsigned*>(key) + 1;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kOrderWindow;
+  const int n = rows - base < kOrderWindow ? static_cast<int>(rows - base) : kOrderWindow;
+  for (int i = static_cast<int>(threadIdx.x); i < kOrderWindow; i += kOrderThreads) {
+    key[i] = i < n ? static_cast<unsigned long long>(i) : ~0ull;
+  }
+  __syncthreads();
+  const int* window = map + base * k_volume;
+  const int entries = n * k_volume;  // <= 4096 x 32
+  for (int e = static_cast<int>(threadIdx.x); e < entries; e += kOrderThreads) {
+    if (window[e] >= 0) {
+      const int i = e / k_volume;
+      atomicOr(high + 2 * i, 1u << (e - i * k_volume));
+    }
+  }
+  __syncthreads();
+  for (int size = 2; size <= kOrderWindow; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int t = static_cast<int>(threadIdx.x); t < kOrderWindow / 2; t += kOrderThreads) {
+        const int lo = 2 * t - (t & (stride - 1));  // the pair (lo, lo + stride), bit stride clear
+        const unsigned long long a = key[lo];
+        const unsigned long long b = key[lo + stride];
+        if ((a > b) == ((lo & size) == 0)) {  // ascending where bit `size` of lo is clear
+          key[lo] = b;
+          key[lo + stride] = a;
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int i = static_cast<int>(threadIdx.x); i < n; i += kOrderThreads) {
+    order[base + i] = static_cast<int>(base + static_cast<int64_t>(key[i] & 0xffffffffull));
+  }
+}
+
+// The offsets (ascending) some row of the 64-row tile at row0 has a neighbour at, into
+// offsets[] (K <= 32); returns their count, or K (every offset, offsets[] unused) for K > 32.
+// Called by every thread of the block (barriers inside).
+template <int kThreads>
+__device__ int tile_offsets(const int* __restrict__ map, const int* __restrict__ order,
+                            int k_volume, int64_t rows, int64_t row0, int64_t n_src, unsigned* bits,
+                            int* offsets) {
+  if (k_volume > 32) return k_volume;
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid == 0) *bits = 0u;
+  __syncthreads();
+  unsigned mine = 0u;
+  for (int e = tid; e < kGemmRows * k_volume; e += kThreads) {
+    const int m = e / k_volume;
+    const int k = e - m * k_volume;
+    const int64_t r = physical_row(order, row0 + m, rows);
+    if (r >= 0) {
+      const int64_t v = map[r * k_volume + k];
+      if (v >= 0 && v < n_src) mine |= 1u << k;
+    }
+  }
+  if (mine != 0u) atomicOr(bits, mine);
+  __syncthreads();
+  const unsigned all = *bits;
+  if (tid < 32 && (all >> tid & 1u)) offsets[__popc(all & ((1u << tid) - 1u))] = tid;
+  __syncthreads();
+  return __popc(all);
+}
+
 // One block: rows [row0, row0 + 64) x columns [n0, n0 + BN) of out. Thread roles: loading, the
 // A vector (row m = tid / 4, channels 4 (tid % 4) ..), the B elements tid + i * 256; multiplying,
 // the 4 x TN micro tile at rows 4 ty, columns TN tx (16 column groups).
 template <typename T, typename OutT, int BN, bool kVecA>
 __global__ void __launch_bounds__(kGemmThreads)
     implicit_gemm_kernel(const T* __restrict__ src, int64_t n_src, int c_in,
-                         const int* __restrict__ map, int k_volume, int64_t rows,
-                         const T* __restrict__ weight, int c_out, OutT* __restrict__ out) {
+                         const int* __restrict__ map, const int* __restrict__ order, int k_volume,
+                         int64_t rows, const T* __restrict__ weight, int c_out,
+                         OutT* __restrict__ out) {
   constexpr int TM = 4;
   constexpr int TN = BN / 16;
   constexpr int kBPerThread = kGemmDepth * BN / kGemmThreads;  // 1, 2 or 4
@@ -274,26 +372,32 @@ __global__ void __launch_bounds__(kGemmThreads)
   // flag[s & 1] == s: some row of the tile has a neighbour at step s. A thread writes flag[s & 1]
   // again at step s + 2, after the barrier of step s + 1, which every reader of step s passed.
   __shared__ int flag[2];
+  __shared__ unsigned tile_bits;
+  __shared__ int offsets[32];
 
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kGemmRows;
   const int n0 = static_cast<int>(blockIdx.y) * BN;
   const int load_m = tid >> 2;
   const int load_c = (tid & 3) * 4;
-  const int64_t load_row = row0 + load_m;
+  const int64_t load_row = physical_row(order, row0 + load_m, rows);
   const int chunks = (c_in + kGemmDepth - 1) / kGemmDepth;
-  const int steps = k_volume * chunks;
+  const int n_offsets =
+      tile_offsets<kGemmThreads>(map, order, k_volume, rows, row0, n_src, &tile_bits, offsets);
+  const bool listed = k_volume <= 32;
+  const int steps = n_offsets * chunks;
   if (tid < 2) flag[tid] = -1;
 
   float a_reg[4];
   float b_reg[kBPerThread];
   int64_t nbr = -1;
   auto load_step = [&](int s) {
-    const int k = s / chunks;
-    const int c0 = (s - k * chunks) * kGemmDepth;
+    const int j = s / chunks;  // the tile's j-th offset
+    const int k = listed ? offsets[j] : j;
+    const int c0 = (s - j * chunks) * kGemmDepth;
     if (c0 == 0) {
       nbr = -1;
-      if (load_row < rows) {
+      if (load_row >= 0) {
         const int64_t v = map[load_row * k_volume + k];
         if (v >= 0 && v < n_src) nbr = v;
       }
@@ -369,8 +473,8 @@ __global__ void __launch_bounds__(kGemmThreads)
   }
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
-    const int64_t r = row0 + ty * TM + i;
-    if (r >= rows) continue;
+    const int64_t r = physical_row(order, row0 + ty * TM + i, rows);
+    if (r < 0) continue;
 #pragma unroll
     for (int j = 0; j < TN; ++j) {
       const int n = n0 + tx * TN + j;
@@ -403,8 +507,9 @@ static_assert(kWarpSize == 2 * kMmaTile, "a warp loads its own 16 rows, two lane
 template <typename T, typename OutT, int BN, bool kVecA>
 __global__ void __launch_bounds__(kMmaThreads)
     implicit_gemm_mma_kernel(const T* __restrict__ src, int64_t n_src, int c_in,
-                             const int* __restrict__ map, int k_volume, int64_t rows,
-                             const T* __restrict__ weight, int c_out, OutT* __restrict__ out) {
+                             const int* __restrict__ map, const int* __restrict__ order,
+                             int k_volume, int64_t rows, const T* __restrict__ weight, int c_out,
+                             OutT* __restrict__ out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // the host launches it on sm_80+ only (implicit_gemm_entry)
 #else
@@ -418,6 +523,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   alignas(32) __shared__ T a_tile[2][kGemmRows][kMmaLdA];
   alignas(32) __shared__ T b_tile[2][kGemmDepth][kLdB];
   alignas(32) __shared__ float c_tile[kMmaWarps][kMmaTile][kMmaLdC];
+  __shared__ unsigned tile_bits;
+  __shared__ int offsets[32];
 
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / kWarpSize;
@@ -426,9 +533,12 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int n0 = static_cast<int>(blockIdx.y) * BN;
   const int load_m = tid >> 1;
   const int load_c = (tid & 1) * 8;
-  const int64_t load_row = row0 + load_m;
+  const int64_t load_row = physical_row(order, row0 + load_m, rows);
   const int chunks = (c_in + kGemmDepth - 1) / kGemmDepth;
-  const int steps = k_volume * chunks;
+  const int n_offsets =
+      tile_offsets<kMmaThreads>(map, order, k_volume, rows, row0, n_src, &tile_bits, offsets);
+  const bool listed = k_volume <= 32;
+  const int steps = n_offsets * chunks;
 
   const uint16_t* src_bits = reinterpret_cast<const uint16_t*>(src);
   const uint16_t* weight_bits = reinterpret_cast<const uint16_t*>(weight);
@@ -436,11 +546,12 @@ __global__ void __launch_bounds__(kMmaThreads)
   uint16_t b_reg[kBPerThread];
   int64_t nbr = -1;
   auto load_step = [&](int s) {
-    const int k = s / chunks;
-    const int c0 = (s - k * chunks) * kGemmDepth;
+    const int j = s / chunks;  // the tile's j-th offset
+    const int k = listed ? offsets[j] : j;
+    const int c0 = (s - j * chunks) * kGemmDepth;
     if (c0 == 0) {
       nbr = -1;
-      if (load_row < rows) {
+      if (load_row >= 0) {
         const int64_t v = map[load_row * k_volume + k];
         if (v >= 0 && v < n_src) nbr = v;
       }
@@ -498,12 +609,12 @@ __global__ void __launch_bounds__(kMmaThreads)
   static_assert(kMmaTile * kMmaTile % kWarpSize == 0 && kMmaTile % kPerLane == 0, "c_tile split");
   const int r = lane * kPerLane / kMmaTile;
   const int col = lane * kPerLane - r * kMmaTile;
-  const int64_t out_row = row0 + warp * kMmaTile + r;
+  const int64_t out_row = physical_row(order, row0 + warp * kMmaTile + r, rows);
 #pragma unroll
   for (int j = 0; j < kFrags; ++j) {
     wmma::store_matrix_sync(&c_tile[warp][0][0], acc[j], kMmaLdC, wmma::mem_row_major);
     __syncwarp();
-    if (out_row < rows) {
+    if (out_row >= 0) {
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) {
         const int n = n0 + j * kMmaTile + col + i;
@@ -527,13 +638,14 @@ constexpr int kWgradChannels = 16;  // input channels per block
 // columns n0 .. n0 + BN, rows [split * rows_per_split, ...). Thread: offset kg = tid / 64, input
 // channel ci = tid / 4 % 16, BN / 4 output columns from (tid % 4) * BN / 4. The rows go through
 // shared memory 32 at a time (loaded, barrier, multiplied, barrier): each partial is one
-// thread's sum in row order.
+// thread's sum in row order (with a row order, r is the row at each position of it).
 template <typename T, int BN, bool kVec>
 __global__ void __launch_bounds__(kGemmThreads)
     wgrad_partial_kernel(const T* __restrict__ src, int64_t n_src, int c_in,
-                         const int* __restrict__ map, int k_volume, const T* __restrict__ grad,
-                         int c_out, int64_t rows, int64_t rows_per_split, int ci_blocks,
-                         int n_blocks, float* __restrict__ partial) {
+                         const int* __restrict__ map, const int* __restrict__ order, int k_volume,
+                         const T* __restrict__ grad, int c_out, int64_t rows,
+                         int64_t rows_per_split, int ci_blocks, int n_blocks,
+                         float* __restrict__ partial) {
   constexpr int TN = BN / 4;
   constexpr int kAVectors = kWgradOffsets * kWgradRows * kWgradChannels / 4;  // 512
   constexpr int kGElements = kWgradRows * BN;
@@ -572,9 +684,9 @@ __global__ void __launch_bounds__(kGemmThreads)
       const int m = e / (kWgradChannels / 4) % kWgradRows;
       const int g = e / (kWgradChannels / 4 * kWgradRows);
       const int k = k0 + g;
-      const int64_t r = r0 + m;
+      const int64_t r = r0 + m < r_end ? physical_row(order, r0 + m, rows) : -1;
       int64_t nbr = -1;
-      if (k < k_volume && r < r_end) {
+      if (k < k_volume && r >= 0) {
         const int64_t v = map[r * k_volume + k];
         if (v >= 0 && v < n_src) nbr = v;
       }
@@ -599,8 +711,8 @@ __global__ void __launch_bounds__(kGemmThreads)
       const int e = tid + i * kGemmThreads;
       const int m = e / BN;
       const int n = e - m * BN;
-      const int64_t r = r0 + m;
-      g_tile[m][n] = r < r_end && n0 + n < c_out ? to_float(grad[r * c_out + n0 + n]) : 0.0f;
+      const int64_t r = r0 + m < r_end ? physical_row(order, r0 + m, rows) : -1;
+      g_tile[m][n] = r >= 0 && n0 + n < c_out ? to_float(grad[r * c_out + n0 + n]) : 0.0f;
     }
     __syncthreads();
     if (flag[kg] == tile) {  // (uniform over an offset's 64 threads: whole 32-lane warps)
@@ -840,10 +952,40 @@ void im2col_entry(TensorView src, TensorView map, TensorView cols, int64_t strea
   });
 }
 
+// row_order (optional): [rows] int32, a permutation of [0, rows) -> its data, else nullptr
+// (identity). Entries outside [0, rows) are skipped by the kernels, never dereferenced.
+const int* check_row_order(const Optional<TensorView>& row_order, const TensorView& map) {
+  if (!row_order.has_value()) return nullptr;
+  check_vector(*row_order, "row_order", map, kInt32, map.size(0));
+  return data_of<const int>(*row_order);
+}
+
+// map [rows, K] int32, K <= 32; order [rows] int32 <- the rows by mask within windows of
+// kOrderWindow rows (row_order_kernel): a permutation of [0, rows).
+void row_order_entry(TensorView map, TensorView order, int64_t stream) {
+  check_gpu_tensor(map, "map");
+  const int64_t k_volume = check_neighbour_map(map, map);
+  if (k_volume > 32) {
+    TVM_FFI_THROW(ValueError) << "map.shape[1] (K) must be at most 32 for a mask per row, got "
+                              << k_volume;
+  }
+  check_rows(map.size(0), "map");
+  check_vector(order, "order", map, kInt32, map.size(0));
+  const int64_t rows = map.size(0);
+  if (rows == 0) return;
+  const int device_id = map.device().device_id;
+  DeviceGuard guard(device_id);
+  const int64_t windows = (rows + kOrderWindow - 1) / kOrderWindow;  // rows <= INT_MAX
+  row_order_kernel<<<static_cast<unsigned>(windows), kOrderThreads, 0, as_stream(stream)>>>(
+      data_of<const int>(map), static_cast<int>(k_volume), rows, data_of<int>(order));
+  check_launch("sparse_conv_row_order row_order_kernel");
+}
+
 // src [R, C_in] float32 / float16 / bfloat16; map [rows, K] int32 (-1: no neighbour); weight
-// [K, C_in, C_out] of src's dtype; out [rows, C_out] of src's dtype or float32.
+// [K, C_in, C_out] of src's dtype; out [rows, C_out] of src's dtype or float32; row_order
+// (optional) [rows] int32: the order the tiles take the rows in (check_row_order).
 void implicit_gemm_entry(TensorView src, TensorView map, TensorView weight, TensorView out,
-                         int64_t stream) {
+                         Optional<TensorView> row_order, int64_t stream) {
   check_gpu_tensor(src, "src");
   check_float_dtype(src, "src");
   check_contiguous(src, "src");
@@ -864,6 +1006,7 @@ void implicit_gemm_entry(TensorView src, TensorView map, TensorView weight, Tens
   check_ndim(out, "out", 2);
   check_size(out, "out", 0, map.size(0));
   check_size(out, "out", 1, weight.size(2));
+  const int* order = check_row_order(row_order, map);
   const int64_t c_in = src.size(1);
   const int64_t c_out = weight.size(2);
   const int64_t rows = map.size(0);
@@ -906,7 +1049,7 @@ void implicit_gemm_entry(TensorView src, TensorView map, TensorView weight, Tens
                 constexpr int BN = decltype(b)::value;
                 implicit_gemm_mma_kernel<T, OutT, BN, kVecA><<<grid, kMmaThreads, 0, st>>>(
                     data_of<const T>(src), src.size(0), static_cast<int>(c_in),
-                    data_of<const int>(map), static_cast<int>(k_volume), rows,
+                    data_of<const int>(map), order, static_cast<int>(k_volume), rows,
                     data_of<const T>(weight), static_cast<int>(c_out), data_of<OutT>(out));
                 check_launch("sparse_conv_implicit_gemm implicit_gemm_mma_kernel");
               });
@@ -925,8 +1068,8 @@ void implicit_gemm_entry(TensorView src, TensorView map, TensorView weight, Tens
             constexpr int BN = decltype(b)::value;
             implicit_gemm_kernel<T, OutT, BN, kVecA><<<grid, kGemmThreads, 0, st>>>(
                 data_of<const T>(src), src.size(0), static_cast<int>(c_in), data_of<const int>(map),
-                static_cast<int>(k_volume), rows, data_of<const T>(weight), static_cast<int>(c_out),
-                data_of<OutT>(out));
+                order, static_cast<int>(k_volume), rows, data_of<const T>(weight),
+                static_cast<int>(c_out), data_of<OutT>(out));
             check_launch("sparse_conv_implicit_gemm implicit_gemm_kernel");
           });
         },
@@ -936,9 +1079,10 @@ void implicit_gemm_entry(TensorView src, TensorView map, TensorView weight, Tens
 
 // src [R, C_in] (float32 / float16 / bfloat16); map [rows, K] int32; grad [rows, C_out] of src's
 // dtype; partial [S, K, C_in, C_out] float32 (workspace; S splits of the rows, S from the
-// caller); grad_weight [K, C_in, C_out] float32 = sum over rows of src[map[r, k]]^T grad[r].
+// caller); grad_weight [K, C_in, C_out] float32 = sum over rows of src[map[r, k]]^T grad[r];
+// row_order (optional): the order the splits take the rows in (check_row_order).
 void implicit_wgrad_entry(TensorView src, TensorView map, TensorView grad, TensorView partial,
-                          TensorView grad_weight, int64_t stream) {
+                          TensorView grad_weight, Optional<TensorView> row_order, int64_t stream) {
   check_gpu_tensor(src, "src");
   check_float_dtype(src, "src");
   check_contiguous(src, "src");
@@ -968,6 +1112,7 @@ void implicit_wgrad_entry(TensorView src, TensorView map, TensorView grad, Tenso
   check_size(partial, "partial", 1, k_volume);
   check_size(partial, "partial", 2, c_in);
   check_size(partial, "partial", 3, c_out);
+  const int* order = check_row_order(row_order, map);
   const int64_t rows = map.size(0);
   const int64_t n = grad_weight.numel();
   if (n == 0) return;
@@ -996,8 +1141,8 @@ void implicit_wgrad_entry(TensorView src, TensorView map, TensorView grad, Tenso
             constexpr int BN = decltype(b)::value;
             wgrad_partial_kernel<T, BN, kVec><<<grid, kGemmThreads, 0, st>>>(
                 data_of<const T>(src), src.size(0), static_cast<int>(c_in), data_of<const int>(map),
-                static_cast<int>(k_volume), data_of<const T>(grad), static_cast<int>(c_out), rows,
-                per_split, static_cast<int>(ci_blocks), static_cast<int>(n_blocks),
+                order, static_cast<int>(k_volume), data_of<const T>(grad), static_cast<int>(c_out),
+                rows, per_split, static_cast<int>(ci_blocks), static_cast<int>(n_blocks),
                 data_of<float>(partial));
             check_launch("sparse_conv_implicit_wgrad wgrad_partial_kernel");
           });
@@ -1020,3 +1165,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_maps, muspace::sparse::maps_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_im2col, muspace::sparse::im2col_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_implicit_gemm, muspace::sparse::implicit_gemm_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_implicit_wgrad, muspace::sparse::implicit_wgrad_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_conv_row_order, muspace::sparse::row_order_entry);

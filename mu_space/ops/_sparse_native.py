@@ -87,7 +87,9 @@ UNVERIFIED = ""
 # 2026-12-01 (csrc/sparse of e056a11); its kernels use no shared memory, which is all racecheck
 # examines. The implicit GEMMs (sparse_conv_implicit_gemm / _wgrad, 2026-12-02): the GPU suite,
 # memcheck over their 84 tests, racecheck over their entry-point tests and 21 conv cases (H200,
-# runs_2026-12-02_session10 d3 / d4; docs/operators/sparse_conv.md).
+# runs_2026-12-02_session10 d3 / d4; docs/operators/sparse_conv.md). Their per-tile offset lists
+# and row orders (sparse_conv_row_order, 2026-12-03): the GPU suite, memcheck over 45 and
+# racecheck over 37 of their tests (runs_2026-12-03_session12 d4).
 CONV_UNVERIFIED = ""
 RULEBOOK_ENTRY_POINTS = (
     "sparse_rulebook_forward",
@@ -107,6 +109,7 @@ IM2COL_ENTRY_POINTS = (
     "sparse_conv_im2col",
     "sparse_conv_implicit_gemm",
     "sparse_conv_implicit_wgrad",
+    "sparse_conv_row_order",
 )
 
 # Elements of one im2col operand (cols [rows, K C]): 2^26 = 256 MiB in float32, 128 MiB in 16
@@ -131,6 +134,21 @@ IMPLICIT_GEMM_DTYPES = frozenset({torch.float32})
 TENSOR_CORE_DTYPES = frozenset({torch.float16, torch.bfloat16})
 WGRAD_MAX_COLUMNS = 16
 GEMM_CHOICE = os.environ.get("MUSPACE_SPARSE_CONV_GEMM", "auto")
+# The implicit GEMMs take a strided rule book's input-side map (ordered_map: the input
+# gradient's in_map, an inverse conv's out_map) in the order of its rows' masks (row_order:
+# sorted within windows of 4096 rows, sparse_conv_row_order), so a tile steps through fewer
+# offsets: an input of a stride-2 k3 conv reaches at most 8 of the 27, in one of 8 parity
+# patterns, and rows in site order mix them all. On the CenterPoint frame (118561 voxels;
+# reference rule books, counted on the CPU, 2026-12-03) the (offset, 64-row tile) steps of those
+# maps fell 2.5-5.2x, within 8% of the pair count. The other maps keep site order: their
+# steps fell 1.1-1.9x by mask, but on the H200 (D3 of session 12, no spconv in the process) the
+# SubM 16 -> 16 forward took 649 us in mask order against 476 in site order (gathered rows and
+# written rows no longer near each other) and the strided forward 616 against 574, while the
+# inverse forward fell 236 -> 75 us and the strided backward 501 -> 340. Maps of fewer than
+# ROW_ORDER_MIN_ROWS rows (a few tiles) and of K > 32 offsets (no 32-bit mask) keep site order
+# too. MUSPACE_SPARSE_CONV_ROW_ORDER=0 keeps site order everywhere (A/B timing).
+ROW_ORDER_MIN_ROWS = 4096
+ROW_ORDER_ENABLED = os.environ.get("MUSPACE_SPARSE_CONV_ROW_ORDER", "1") != "0"
 
 # Strided / transposed rule books whose output grid (batch x out_shape) has at most this many
 # cells per (offset, input) candidate take the bitmap (its words <= 2 K N int32: zeroing,
@@ -592,11 +610,55 @@ def use_implicit_wgrad(dtype: torch.dtype, c_out: int) -> bool:
     return GEMM_CHOICE == "implicit"
 
 
-def implicit_gemm(src, neighbour_map, weight, out_dtype, st):
+class _RowOrders(TensorKeyedCache):
+    """row_order's answers by neighbour map (maps live as long as their rule book's
+    NEIGHBOUR_MAPS entry): computed once per map, used by its forward and backward GEMMs."""
+
+    def get(self, neighbour_map):
+        return self.lookup((neighbour_map,), None)
+
+    def put(self, neighbour_map, order) -> None:
+        self.store((neighbour_map,), None, order)
+
+
+ROW_ORDERS = _RowOrders()
+
+
+ROW_ORDER_WINDOW = 4096  # sparse_conv_row_order's kOrderWindow
+
+
+def row_order(neighbour_map, st):
+    """int32 [rows]: neighbour_map's rows sorted by their masks (bit k: a neighbour at offset k)
+    within windows of ROW_ORDER_WINDOW rows, ties by row (sparse_conv_row_order), the order the
+    implicit GEMMs take them in; None for site order (ROW_ORDER_MIN_ROWS, K > 32). Cached per
+    map (ROW_ORDERS)."""
+    rows, K = neighbour_map.shape
+    if not ROW_ORDER_ENABLED or rows < ROW_ORDER_MIN_ROWS or K > 32:
+        return None
+    order = ROW_ORDERS.get(neighbour_map)
+    if order is None:
+        order = _opdef.new_output(neighbour_map, (rows,), torch.int32)
+        native.function("sparse_conv_row_order")(neighbour_map, order, st)
+        ROW_ORDERS.put(neighbour_map, order)
+    return order
+
+
+def ordered_map(n_in: int, n_out: int, inverse: bool) -> int | None:
+    """The neighbour map (0: out_map, 1: in_map) whose rows the implicit GEMMs take in mask
+    order: a strided rule book's input side (n_in != n_out; in_map, or out_map for an inverse
+    conv), None for a SubM one (ROW_ORDER_MIN_ROWS)."""
+    if n_in == n_out:
+        return None
+    return 0 if inverse else 1
+
+
+def implicit_gemm(src, neighbour_map, weight, out_dtype, st, ordered: bool = False):
     """[rows, C_out] of out_dtype (src's or float32) = sum_k src[neighbour_map[:, k]] @ weight[k]
-    (weight [K, C_a, C_b] of src's dtype), float32 accumulation, 0 for -1 entries."""
+    (weight [K, C_a, C_b] of src's dtype), float32 accumulation, 0 for -1 entries; `ordered`:
+    the tiles take the rows in row_order's order (the same sums)."""
     out = _opdef.new_output(src, (neighbour_map.shape[0], weight.shape[2]), out_dtype)
-    native.function("sparse_conv_implicit_gemm")(src, neighbour_map, weight, out, st)
+    order = row_order(neighbour_map, st) if ordered else None
+    native.function("sparse_conv_implicit_gemm")(src, neighbour_map, weight, out, order, st)
     return out
 
 
@@ -611,15 +673,17 @@ def wgrad_splits(rows: int, K: int, c_in: int, c_out: int) -> int:
     return max(1, min(-(-rows // WGRAD_MIN_ROWS), -(-WGRAD_TARGET_BLOCKS // blocks), 65535))
 
 
-def implicit_wgrad(src, neighbour_map, grad, st):
+def implicit_wgrad(src, neighbour_map, grad, st, ordered: bool = False):
     """float32 [K, C_in, C_out] = sum over rows r of src[neighbour_map[r, k]]^T grad[r] (grad of
-    src's dtype), deterministic (per-split sums added in split order)."""
+    src's dtype), deterministic (per-split sums added in split order; `ordered`: rows in
+    row_order's order)."""
     rows, K = neighbour_map.shape
     c_in, c_out = src.shape[1], grad.shape[1]
     partial = _workspace((wgrad_splits(rows, K, c_in, c_out), K, c_in, c_out), torch.float32,
                          src.device)  # fmt: skip
     out = _opdef.new_output(src, (K, c_in, c_out), torch.float32)
-    native.function("sparse_conv_implicit_wgrad")(src, neighbour_map, grad, partial, out, st)
+    order = row_order(neighbour_map, st) if ordered else None
+    native.function("sparse_conv_implicit_wgrad")(src, neighbour_map, grad, partial, out, order, st)
     return out
 
 
@@ -635,9 +699,9 @@ def im2col_forward(feats, weight, out_map, st):
     return out
 
 
-def im2col_backward(grad_out, feats, weight, maps, needs, st):
+def im2col_backward(grad_out, feats, weight, maps, needs, st, ordered=None):
     """(grad_x [N, C_in] (float32, or the features' dtype from the implicit GEMM) or None,
-    grad_w float32 [K, C_in, C_out] or None)."""
+    grad_w float32 [K, C_in, C_out] or None); `ordered`: ordered_map's answer."""
     out_map, in_map = maps
     K, c_in, c_out = weight.shape
     dtype = gemm_dtype(feats)
@@ -648,7 +712,7 @@ def im2col_backward(grad_out, feats, weight, maps, needs, st):
     if implicit or implicit_w:  # the implicit GEMMs multiply in the features' dtype
         g_same = g if g.dtype == feats.dtype else grad_out.to(feats.dtype).contiguous()
     if needs[1] and implicit_w:
-        grad_w = implicit_wgrad(feats, out_map, g_same, st)
+        grad_w = implicit_wgrad(feats, out_map, g_same, st, ordered == 0)
     elif needs[1]:
         grad_w = _workspace((K * c_in, c_out), torch.float32, feats.device)
         for start, stop in row_chunks(out_map.shape[0], K * c_in):
@@ -662,7 +726,7 @@ def im2col_backward(grad_out, feats, weight, maps, needs, st):
         grad_w = grad_w.view(K, c_in, c_out)
     if needs[0] and implicit:
         w_t = weight.to(feats.dtype).permute(0, 2, 1).contiguous()  # [K, C_out, C_in]
-        grad_x = implicit_gemm(g_same, in_map, w_t, feats.dtype, st)  # no cast afterwards
+        grad_x = implicit_gemm(g_same, in_map, w_t, feats.dtype, st, ordered == 1)  # no cast
     elif needs[0]:
         w_t = weight.to(dtype).permute(0, 2, 1).reshape(K * c_out, c_in)
         grad_x = _workspace((in_map.shape[0], c_in), torch.float32, feats.device)
@@ -708,7 +772,8 @@ def conv_native(c, features, weight, indice_pairs, indice_pair_num, num_out, inv
         feats, st = features.contiguous(), stream_handle(features)
         if use_implicit_gemm(feats):
             w = weight.to(feats.dtype).contiguous()
-            return implicit_gemm(feats, maps[0], w, feats.dtype, st)
+            ordered = ordered_map(n, m, inverse) == 0
+            return implicit_gemm(feats, maps[0], w, feats.dtype, st, ordered)
         out = im2col_forward(feats, weight, maps[0], st)
         return out if features.dtype == torch.float32 else out.to(features.dtype)
     feats, pairs, st, header, counts, bad = _conv_prologue(
@@ -746,7 +811,8 @@ def conv_backward_native(
         return sparse_conv_backward_reference(*args)
     if maps is not None:
         st = stream_handle(features)
-        grad_x, grad_w = im2col_backward(grad_out, features.contiguous(), weight, maps, needs, st)
+        grad_x, grad_w = im2col_backward(grad_out, features.contiguous(), weight, maps, needs, st,
+                                         ordered_map(n, m, inverse))  # fmt: skip
     else:
         grad_x, grad_w = _per_offset_backward(c, grad_out, features, weight, indice_pairs,
                                               indice_pair_num, needs, args)  # fmt: skip

@@ -70,25 +70,47 @@ def _scatter(products, pairs, counts, acc, side, st):
         start += c
 
 
-def _implicit_gemm(src, neighbour_map, weight, out, st):
+def _positions(neighbour_map, row_order):
+    """The map's rows in the order the kernels take them: row_order (a permutation) or 0..R-1."""
+    rows = neighbour_map.shape[0]
+    if row_order is None:
+        return torch.arange(rows)
+    assert row_order.dtype == torch.int32 and row_order.shape == (rows,)
+    assert torch.equal(row_order.sort().values, torch.arange(rows, dtype=torch.int32))
+    return row_order.long()
+
+
+def _implicit_gemm(src, neighbour_map, weight, out, row_order, st):
     n, c = src.shape
-    rows = neighbour_map.long()
+    at = _positions(neighbour_map, row_order)
+    rows = neighbour_map[at].long()
     rows = rows.where((rows >= 0) & (rows < n), n)  # -1 / outside -> the zero row
     padded = torch.cat((src.float(), torch.zeros(1, c)))
-    out.copy_(torch.einsum("rkc,kcn->rn", padded[rows], weight.float()).to(out.dtype))
+    out[at] = torch.einsum("rkc,kcn->rn", padded[rows], weight.float()).to(out.dtype)
 
 
-def _implicit_wgrad(src, neighbour_map, grad, partial, grad_weight, st):
+def _implicit_wgrad(src, neighbour_map, grad, partial, grad_weight, row_order, st):
     n, c = src.shape
-    rows = neighbour_map.long()
+    at = _positions(neighbour_map, row_order)
+    rows = neighbour_map[at].long()
     rows = rows.where((rows >= 0) & (rows < n), n)
     padded = torch.cat((src.float(), torch.zeros(1, c)))
-    grad_weight.copy_(torch.einsum("rkc,rn->kcn", padded[rows], grad.float()))
+    grad_weight.copy_(torch.einsum("rkc,rn->kcn", padded[rows], grad[at].float()))
+
+
+def _row_order(neighbour_map, order, st):
+    rows, K = neighbour_map.shape
+    masks = ((neighbour_map >= 0).to(torch.int64) << torch.arange(K)).sum(1)
+    window = _sparse_native.ROW_ORDER_WINDOW
+    for start in range(0, rows, window):
+        part = masks[start : start + window]
+        order[start : start + len(part)] = torch.sort(part, stable=True).indices + start
 
 
 KERNELS = {
     "sparse_conv_implicit_gemm": _implicit_gemm,
     "sparse_conv_implicit_wgrad": _implicit_wgrad,
+    "sparse_conv_row_order": _row_order,
     "sparse_conv_maps": _maps,
     "sparse_conv_im2col": _im2col,
     "sparse_pairs_check": _pairs_check,
@@ -129,11 +151,16 @@ def emulated(monkeypatch):
     fake = types.SimpleNamespace(function=function, limit=lambda key: 2**31 - 1)
     monkeypatch.setattr(_sparse_native, "native", fake)
     monkeypatch.setattr(_sparse_native, "stream_handle", lambda t: 0)
-    _sparse_native.CHECKED_PAIRS.clear()
-    _sparse_native.NEIGHBOUR_MAPS.clear()
+    caches = (
+        _sparse_native.CHECKED_PAIRS,
+        _sparse_native.NEIGHBOUR_MAPS,
+        _sparse_native.ROW_ORDERS,
+    )
+    for cache in caches:
+        cache.clear()
     yield calls
-    _sparse_native.CHECKED_PAIRS.clear()
-    _sparse_native.NEIGHBOUR_MAPS.clear()
+    for cache in caches:
+        cache.clear()
 
 
 def _run(args, grad_seed=5):
@@ -160,8 +187,12 @@ CASES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [1 << 26, 7 * 27 * 8, 1])  # one chunk, several, a row each
 @pytest.mark.parametrize("case", list(CASES))
-def test_im2col_path_matches_the_reference(emulated, monkeypatch, case, chunk, dtype, gemm):
+@pytest.mark.parametrize("row_order", [True, False])
+def test_im2col_path_matches_the_reference(emulated, monkeypatch, case, chunk, dtype, gemm,
+                                           row_order):  # fmt: skip
     monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", chunk)
+    # the tiny case's maps (~600 rows) take the mask order only below the size threshold
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0 if row_order else 1 << 30)
     tensor_cores = gemm == "auto-tensor-cores"  # a build and device with them (CUDA sm_80+)
     monkeypatch.setattr(_sparse_native, "tensor_core_gemm", lambda device: tensor_cores)
     gemm = "auto" if tensor_cores else gemm
@@ -183,6 +214,10 @@ def test_im2col_path_matches_the_reference(emulated, monkeypatch, case, chunk, d
     assert emulated.count("sparse_conv_implicit_gemm") == (2 if implicit else 0)
     assert emulated.count("sparse_conv_implicit_wgrad") == (1 if implicit_w else 0)
     assert ("sparse_conv_im2col" in emulated) != implicit_w
+    # one row order for a strided rule book's input side where an implicit GEMM reads it (in_map:
+    # the input gradient; an inverse conv's out_map: forward and weight gradient, cached between)
+    ordered = {"strided": implicit, "inverse": implicit or implicit_w}.get(case, False)
+    assert emulated.count("sparse_conv_row_order") == (int(ordered) if row_order else 0)
     assert got.dtype == want.dtype and got_g[0].dtype == got_g[1].dtype == dtype
     tolerances.assert_close(got, want, op="sparse_conv")
     tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
@@ -258,3 +293,41 @@ def test_the_profiling_switch_runs_the_per_offset_path(emulated, monkeypatch):
     assert "sparse_conv_maps" not in emulated and "sparse_conv_gather" in emulated
     tolerances.assert_close(got, want, op="sparse_conv")
     tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
+def test_the_row_order_groups_rows_by_their_masks(emulated, monkeypatch):
+    """row_order on a stride-2 rule book's input-side map (at most 8 of 27 offsets a row): the
+    rows sorted by their masks within windows (of 64 rows here, so several), ties in site
+    order, so 64-row tiles need fewer (offset, tile) steps; cached per map; site order below
+    ROW_ORDER_MIN_ROWS, for K > 32 and when disabled."""
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_WINDOW", 256)
+    f, w, p, n, m, inv = sparse_conv.sample_case("cpu", subm=False)
+    out_map, in_map = _sparse_native.neighbour_maps(p, n, f.shape[0], m, False, 0)
+    order = _sparse_native.row_order(in_map, 0)
+    assert _sparse_native.row_order(in_map, 0) is order  # cached
+    assert emulated.count("sparse_conv_row_order") == 1
+    bits = (in_map >= 0).long() << torch.arange(in_map.shape[1])
+    rows = in_map.shape[0]
+    assert rows > 512
+    for start in range(0, rows, 256):
+        part = order[start : start + 256].long()
+        assert bool(((part >= start) & (part < start + 256)).all())  # within its window
+        masks = bits.sum(1)[part]
+        assert bool((masks[1:] >= masks[:-1]).all())
+        ties = masks[1:] == masks[:-1]
+        assert bool((part[1:][ties] > part[:-1][ties]).all())  # stable: site order within a mask
+
+    def steps(rows):
+        used = (in_map[rows] >= 0).reshape(-1)
+        pad = (-len(rows)) % 64
+        used = torch.cat((used, torch.zeros(pad * in_map.shape[1], dtype=torch.bool)))
+        return int(used.reshape(-1, 64, in_map.shape[1]).any(1).sum())
+
+    assert steps(order.long()) < steps(torch.arange(in_map.shape[0]))
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", in_map.shape[0] + 1)
+    assert _sparse_native.row_order(out_map, 0) is None
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0)
+    assert _sparse_native.row_order(torch.zeros(5, 33, dtype=torch.int32), 0) is None
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_ENABLED", False)
+    assert _sparse_native.row_order(out_map, 0) is None

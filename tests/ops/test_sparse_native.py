@@ -264,6 +264,7 @@ def test_im2col_conv_is_bit_exact_under_deterministic_algorithms(monkeypatch, dt
 
     monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", 1 << 16)  # several chunks
     monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", gemm)
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0)  # the mask order rebuilt too
     args, x, w = _im2col_case("subm k3", 32, 32, False, dtype)
     torch.use_deterministic_algorithms(True)
     try:
@@ -321,17 +322,20 @@ IMPLICIT_CONVS = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("row_order", ["masks", "sites"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("layer", "c_in", "c_out", "inverse"), IMPLICIT_CONVS)
 def test_implicit_gemm_conv_matches_the_reference(monkeypatch, layer, c_in, c_out, inverse,
-                                                  dtype):  # fmt: skip
+                                                  dtype, row_order):  # fmt: skip
     """sparse_conv_implicit_gemm for the forward and the input gradient, sparse_conv_implicit_wgrad
-    for the weight gradient (every dtype forced: MUSPACE_SPARSE_CONV_GEMM=implicit), within the
-    tolerance table; no im2col anywhere."""
+    for the weight gradient (every dtype forced: MUSPACE_SPARSE_CONV_GEMM=implicit), the rows in
+    mask order (ROW_ORDER_MIN_ROWS lowered for these small rule books) or site order, within
+    the tolerance table; no im2col anywhere."""
     from mu_space.ops import _sparse_native
     from tests.helpers import recording_entry_points
 
     monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", "implicit")
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0 if row_order == "masks" else 2**40)
     args, x, w = _im2col_case(layer, c_in, c_out, inverse, dtype)
     want = sparse_conv(x, w, *args, backend="reference")
     called = recording_entry_points(monkeypatch)
@@ -346,7 +350,35 @@ def test_implicit_gemm_conv_matches_the_reference(monkeypatch, layer, c_in, c_ou
         got_g = torch.autograd.grad(got, (x, w), g)
     assert called.count("sparse_conv_implicit_gemm") == 2  # + the input gradient
     assert called.count("sparse_conv_implicit_wgrad") == 1 and "sparse_conv_im2col" not in called
+    # a strided rule book's input side (in_map; an inverse conv's out_map): one order, cached
+    strided = not layer.startswith("subm")
+    assert called.count("sparse_conv_row_order") == (1 if row_order == "masks" and strided else 0)
     tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # SIMT, tensor-core kernels
+@pytest.mark.parametrize(("layer", "c_in", "c_out", "inverse"), IM2COL_CONVS)
+def test_the_row_order_changes_no_forward_bit(monkeypatch, layer, c_in, c_out, inverse, dtype):
+    """Each output is one thread's sum in (offset, channel) order wherever its row sits in the
+    tiles, and a skipped step adds nothing: the forward and the input gradient in mask order
+    (a strided rule book's input side: the inverse forward, the strided input gradient) equal
+    site order's bit for bit; the weight gradient (rows summed in another order) within the
+    tolerance table."""
+    from mu_space.ops import _sparse_native
+
+    args, x, w = _im2col_case(layer, c_in, c_out, inverse, dtype)
+    g = _feats(args[2], c_out, dtype, 17)
+    runs = {}
+    for order in ("masks", "sites"):
+        monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0 if order == "masks" else 2**40)
+        _sparse_native.ROW_ORDERS.clear()
+        with _opdef.poisoned_outputs():
+            out = sparse_conv(x, w, *args, backend="native")
+            runs[order] = (out, *torch.autograd.grad(out, (x, w), g))
+    (out_a, gx_a, gw_a), (out_b, gx_b, gw_b) = runs["masks"], runs["sites"]
+    assert torch.equal(out_a, out_b) and torch.equal(gx_a, gx_b)
+    tolerances.assert_close(gw_a, gw_b, op="sparse_conv", name="grad_weight")
 
 
 @pytest.mark.gpu
@@ -400,10 +432,13 @@ def _gathered_products(src, neighbour_map, weight):
     ("rows", "K", "c_in", "c_out"),
     [(1, 1, 1, 1), (130, 27, 16, 16), (65, 8, 33, 65), (200, 3, 4, 32)],
 )
-def test_implicit_gemm_entry_against_float64(dtype, out_float32, rows, K, c_in, c_out):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_implicit_gemm_entry_against_float64(dtype, out_float32, rows, K, c_in, c_out, ordered):
     """The entry point on random maps with -1 and out-of-range rows (both gather zeros; the
     conv never passes the latter), row counts off the 64-row tiles, and an offset no row
-    has (skipped), against float64: one rounding of a float32 sum."""
+    has (skipped), with and without a row order (a random permutation: the tiles take the rows
+    in that order, each row's result in its own place), against float64: one rounding of a
+    float32 sum."""
     from mu_space.runtime import native
 
     device = native_gpu_device()
@@ -416,7 +451,8 @@ def test_implicit_gemm_entry_against_float64(dtype, out_float32, rows, K, c_in, 
     nbr = nbr.to(device)
     out = torch.full((rows, c_out), float("nan"), device=device,
                      dtype=torch.float32 if out_float32 else dtype)  # fmt: skip
-    native.function("sparse_conv_implicit_gemm")(src, nbr, w, out, 0)
+    order = torch.randperm(rows, generator=gen).to(device, torch.int32) if ordered else None
+    native.function("sparse_conv_implicit_gemm")(src, nbr, w, out, order, 0)
     assert not out.isnan().any(), "an element of the NaN-poisoned output was not written"
     want = _gathered_products(src, nbr, w)
     # float32 accumulation: |error| <= (terms) * 2^-24 * sum |products|, far below 1e-5 of the
@@ -436,10 +472,11 @@ def test_implicit_gemm_entry_against_float64(dtype, out_float32, rows, K, c_in, 
     ("rows", "K", "c_in", "c_out"),
     [(1, 1, 1, 1), (1000, 27, 16, 16), (333, 9, 33, 65), (200, 3, 4, 128)],
 )
-def test_implicit_wgrad_entry_against_float64(dtype, splits, rows, K, c_in, c_out):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_implicit_wgrad_entry_against_float64(dtype, splits, rows, K, c_in, c_out, ordered):
     """The weight gradient entry point: random maps with -1 and out-of-range rows (zeros), an
     offset no row has, row counts off the 32-row steps, more splits than row steps (empty
-    splits), against float64."""
+    splits), with and without a row order (a random permutation), against float64."""
     from mu_space.runtime import native
 
     device = native_gpu_device()
@@ -452,7 +489,8 @@ def test_implicit_wgrad_entry_against_float64(dtype, splits, rows, K, c_in, c_ou
     nbr = nbr.to(device)
     partial = torch.full((splits, K, c_in, c_out), float("nan"), device=device)
     out = torch.full((K, c_in, c_out), float("nan"), device=device)
-    native.function("sparse_conv_implicit_wgrad")(src, nbr, grad, partial, out, 0)
+    order = torch.randperm(rows, generator=gen).to(device, torch.int32) if ordered else None
+    native.function("sparse_conv_implicit_wgrad")(src, nbr, grad, partial, out, order, 0)
     rows_l = nbr.long().where((nbr >= 0) & (nbr < n), n)
     padded = torch.cat((src.double(), torch.zeros(1, c_in, dtype=torch.float64, device=device)))
     want = torch.einsum("rkc,rn->kcn", padded[rows_l], grad.double())
@@ -474,26 +512,80 @@ def test_implicit_gemm_entry_rejects_bad_arguments():
     w = torch.randn(27, 8, 16, device=device)
     out = torch.empty(4, 16, device=device)
     with pytest.raises(TypeError, match="weight"):
-        fn(src, nbr, w.half(), out, 0)
+        fn(src, nbr, w.half(), out, None, 0)
     with pytest.raises(ValueError, match="weight"):
-        fn(src, nbr, w[:26].contiguous(), out, 0)
+        fn(src, nbr, w[:26].contiguous(), out, None, 0)
     with pytest.raises(ValueError, match="out"):
-        fn(src, nbr, w, out[:3].contiguous(), 0)
+        fn(src, nbr, w, out[:3].contiguous(), None, 0)
     with pytest.raises(TypeError, match="map"):
-        fn(src, nbr.long(), w, out, 0)
+        fn(src, nbr.long(), w, out, None, 0)
     with pytest.raises(ValueError, match="src"):
-        fn(src.t(), nbr, w, out, 0)
+        fn(src.t(), nbr, w, out, None, 0)
+    order = torch.arange(4, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="row_order"):
+        fn(src, nbr, w, out, order[:3], 0)
+    with pytest.raises(TypeError, match="row_order"):
+        fn(src, nbr, w, out, order.long(), 0)
     wgrad = native.function("sparse_conv_implicit_wgrad")
     grad = torch.randn(4, 16, device=device)
     partial = torch.empty(2, 27, 8, 16, device=device)
     with pytest.raises(TypeError, match="grad"):
-        wgrad(src, nbr, grad.half(), partial, w, 0)
+        wgrad(src, nbr, grad.half(), partial, w, None, 0)
     with pytest.raises(ValueError, match="partial"):
-        wgrad(src, nbr, grad, partial[:, :26].contiguous(), w, 0)
+        wgrad(src, nbr, grad, partial[:, :26].contiguous(), w, None, 0)
     with pytest.raises(ValueError, match="partial"):
-        wgrad(src, nbr, grad, torch.empty(0, 27, 8, 16, device=device), w, 0)
+        wgrad(src, nbr, grad, torch.empty(0, 27, 8, 16, device=device), w, None, 0)
     with pytest.raises(ValueError, match="grad_weight"):
-        wgrad(src, nbr, grad, partial, w[:, :7].contiguous(), 0)
+        wgrad(src, nbr, grad, partial, w[:, :7].contiguous(), None, 0)
+    with pytest.raises(ValueError, match="row_order"):
+        wgrad(src, nbr, grad, partial, w, order[:3], 0)
+
+
+@pytest.mark.gpu
+def test_row_order_entry_and_a_row_order_with_bad_entries():
+    """sparse_conv_row_order against PyTorch (stable sorts of the masks, bit 31 too, within
+    windows of 4096 rows, a partial last one) and its K limit; row-order entries outside
+    [0, rows) are positions that do nothing (never dereferenced): the rows still listed get
+    their sums, the others keep the poison."""
+    from mu_space.ops import _sparse_native
+    from mu_space.runtime import native
+
+    device = native_gpu_device()
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    order_fn = native.function("sparse_conv_row_order")
+    window = _sparse_native.ROW_ORDER_WINDOW
+    for rows, K in ((1, 1), (300, 27), (2 * window + 77, 32), (window, 3)):
+        nbr = torch.randint(-1, 5, (rows, K), generator=gen, dtype=torch.int32)
+        nbr[::7] = -1  # rows without neighbours: mask 0
+        order = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        order_fn(nbr.to(device), order, 0)
+        masks = ((nbr >= 0).long() << torch.arange(K)).sum(1)
+        want = torch.cat([torch.sort(masks[i : i + window], stable=True).indices + i
+                          for i in range(0, rows, window)])  # fmt: skip
+        assert torch.equal(order.cpu().long(), want)
+    with pytest.raises(ValueError, match="at most 32"):
+        order_fn(torch.zeros(3, 33, dtype=torch.int32, device=device),
+                 torch.empty(3, dtype=torch.int32, device=device), 0)  # fmt: skip
+    with pytest.raises(ValueError, match="order"):
+        order_fn(nbr.to(device), order[:5], 0)
+    rows, K, c = 200, 27, 16
+    src = torch.randn(50, c, generator=gen).to(device)
+    nbr = torch.randint(-1, 50, (rows, K), generator=gen, dtype=torch.int32).to(device)
+    w = (torch.randn(K, c, c, generator=gen) / (K * c) ** 0.5).to(device)
+    order = torch.randperm(rows, generator=gen).to(device, torch.int32)
+    kept = order.clone()
+    order[::3] = torch.tensor([-1, rows, 2**31 - 1], dtype=torch.int32, device=device).repeat(
+        (rows + 2) // 3
+    )[: len(order[::3])]
+    out = torch.full((rows, c), float("nan"), device=device)
+    native.function("sparse_conv_implicit_gemm")(src, nbr, w, out, order, 0)
+    listed = torch.zeros(rows, dtype=torch.bool, device=device)
+    listed[kept[1::3].long()] = True
+    listed[kept[2::3].long()] = True
+    want = _gathered_products(src, nbr, w)
+    assert out[~listed].isnan().all()
+    err = float((out[listed].double() - want[listed]).abs().max())
+    assert err <= 1e-5 * float(want.abs().max())  # one rounding of a float32 sum, as above
 
 
 @pytest.mark.gpu

@@ -39,6 +39,8 @@ ENTRY_POINTS = (
 # scalar / Shape arguments that messages may name (a size relation reported on them)
 DTYPE_OR_DEVICE = ("cpu", "float64", "float32", "float16", "bfloat16", "int32", "int64")
 SCALARS = ("shape", "spatial_shape", "out_shape", "counts", "K = ")
+# optional tensor arguments: None is a valid call (site order)
+OPTIONAL = {("sparse_conv_implicit_gemm", "row_order"), ("sparse_conv_implicit_wgrad", "row_order")}
 
 
 @pytest.fixture(scope="module")
@@ -185,9 +187,15 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
         _sparse_native.implicit_gemm(g, in_map, w.permute(0, 2, 1).contiguous(), torch.float32, 0)
     with pytest.raises(ReachedRuntime):  # and weight gradient
         _sparse_native.implicit_wgrad(f, out_map, g, 0)
+    _sparse_native.ROW_ORDER_MIN_ROWS, min_rows = 0, _sparse_native.ROW_ORDER_MIN_ROWS
+    try:
+        with pytest.raises(ReachedRuntime):  # a map's row order
+            _sparse_native.row_order(out_map, 0)
+    finally:
+        _sparse_native.ROW_ORDER_MIN_ROWS = min_rows
     want = ["sparse_conv_maps"] * 3 + ["sparse_pairs_check"]
     want += ["sparse_conv_im2col"] * (len(cols_dtypes) + 1) + ["sparse_conv_implicit_gemm"] * 2
-    want += ["sparse_conv_implicit_wgrad"]
+    want += ["sparse_conv_implicit_wgrad", "sparse_conv_row_order"]
     assert calls == want
     calls.clear()
     counts = n.clamp(0, P).tolist()
@@ -305,8 +313,15 @@ def _base_cases(lib):
             ["src", "map", "cols"],
         ),
         "sparse_conv_implicit_gemm": (
-            [feats, np.zeros((m, K), i32), np.zeros((K, C, 3), f32), np.zeros((m, 3), f32), 0],
-            ["src", "map", "weight", "out"],
+            [
+                feats,
+                np.zeros((m, K), i32),
+                np.zeros((K, C, 3), f32),
+                np.zeros((m, 3), f32),
+                np.zeros(m, i32),
+                0,
+            ],
+            ["src", "map", "weight", "out", "row_order"],
         ),
         "sparse_conv_implicit_wgrad": (
             [
@@ -315,10 +330,12 @@ def _base_cases(lib):
                 np.zeros((m, 3), f32),
                 np.zeros((2, K, C, 3), f32),
                 np.zeros((K, C, 3), f32),
+                np.zeros(m, i32),
                 0,
             ],
-            ["src", "map", "grad", "partial", "grad_weight"],
+            ["src", "map", "grad", "partial", "grad_weight", "row_order"],
         ),
+        "sparse_conv_row_order": ([np.zeros((m, K), i32), np.zeros(m, i32), 0], ["map", "order"]),
         "sparse_maxpool_forward": (
             [feats, pairs, counts, np.zeros((m, C), f32), np.zeros(m, i32), 0],
             ["features", "indice_pairs", "out", "hit"],
@@ -358,6 +375,9 @@ def test_every_entry_point_checks_every_tensor_argument(library):
                     continue  # an empty tensor that is still consistent: nothing to launch
                 if kind not in ("TypeError", "ValueError", "runtime"):
                     wrong.append(f"{where}: {kind} {msg}")
+                elif label == "None" and (name, arg_name) in OPTIONAL:
+                    if kind != "runtime":
+                        wrong.append(f"{where}: rejected ({kind} {msg})")
                 elif label in ("cpu", "float64", "None") and kind == "runtime":
                     wrong.append(f"{where}: accepted")
                 elif kind == "runtime" or label == "None":  # None: TVM-FFI's type error
@@ -413,7 +433,7 @@ def test_scalar_arguments_out_of_range_are_value_errors(library):
     f32 = np.float32
     args = [np.zeros((3, 1), f32), np.zeros((1, 1), np.int32), np.zeros((1, 1, wide), f32),
             np.zeros((1, wide), f32)]  # fmt: skip
-    kind, msg = _outcome(library["sparse_conv_implicit_gemm"], [*map(_tensor, args), 0])
+    kind, msg = _outcome(library["sparse_conv_implicit_gemm"], [*map(_tensor, args), None, 0])
     assert kind == "ValueError" and "weight" in msg, msg
     with pytest.raises(ValueError):
         library["sparse_rulebook_workspace_ints"](4097, 10)
