@@ -49,7 +49,7 @@
 //                       The same optional row order (the rows summed in that order).
 //   sparse_conv_row_order
 //                       order = the map's rows sorted by their masks (bit k: map[r, k] >= 0,
-//                       K <= 32) within windows of 4096 rows, ties by row: one launch, a block
+//                       K <= 32) within windows of 2048 rows, ties by row: one launch, a block
 //                       per window sorting (mask, row) keys in shared memory (a bitonic
 //                       network), deterministic.
 //
@@ -278,7 +278,9 @@ __device__ __forceinline__ int64_t physical_row(const int* __restrict__ order, i
   return p >= 0 && p < rows ? p : -1;
 }
 
-constexpr int kOrderWindow = 4096;  // rows sorted together (32 KB of keys)
+// rows sorted together: 16 KB of keys (MUSA's static shared-memory budget is < 28 KB a block;
+// the 4096-row windows run on the H200 in D3 / D4 of session 12 took 32 KB)
+constexpr int kOrderWindow = 2048;
 constexpr int kOrderThreads = 512;
 // A block per window of kOrderWindow rows: keys (mask << 32 | row in the window), distinct, so
 // the ascending bitonic sort is the stable sort by mask; padding keys sort last. The masks are
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(kOrderThreads)
   }
   __syncthreads();
   const int* window = map + base * k_volume;
-  const int entries = n * k_volume;  // <= 4096 x 32
+  const int entries = n * k_volume;  // <= kOrderWindow x 32
   for (int e = static_cast<int>(threadIdx.x); e < entries; e += kOrderThreads) {
     if (window[e] >= 0) {
       const int i = e / k_volume;

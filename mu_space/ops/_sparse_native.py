@@ -136,11 +136,12 @@ WGRAD_MAX_COLUMNS = 16
 GEMM_CHOICE = os.environ.get("MUSPACE_SPARSE_CONV_GEMM", "auto")
 # The implicit GEMMs take a strided rule book's input-side map (ordered_map: the input
 # gradient's in_map, an inverse conv's out_map) in the order of its rows' masks (row_order:
-# sorted within windows of 4096 rows, sparse_conv_row_order), so a tile steps through fewer
+# sorted within windows of 2048 rows, sparse_conv_row_order), so a tile steps through fewer
 # offsets: an input of a stride-2 k3 conv reaches at most 8 of the 27, in one of 8 parity
 # patterns, and rows in site order mix them all. On the CenterPoint frame (118561 voxels;
 # reference rule books, counted on the CPU, 2026-12-03) the (offset, 64-row tile) steps of those
-# maps fell 2.5-5.2x, within 8% of the pair count. The other maps keep site order: their
+# maps fell 2.4-4.9x (2.5-5.2x with the 4096-row windows the H200 ran), within 16% of the pair
+# count. The other maps keep site order: their
 # steps fell 1.1-1.9x by mask, but on the H200 (D3 of session 12, no spconv in the process) the
 # SubM 16 -> 16 forward took 649 us in mask order against 476 in site order (gathered rows and
 # written rows no longer near each other) and the strided forward 616 against 574, while the
@@ -149,6 +150,12 @@ GEMM_CHOICE = os.environ.get("MUSPACE_SPARSE_CONV_GEMM", "auto")
 # too. MUSPACE_SPARSE_CONV_ROW_ORDER=0 keeps site order everywhere (A/B timing).
 ROW_ORDER_MIN_ROWS = 4096
 ROW_ORDER_ENABLED = os.environ.get("MUSPACE_SPARSE_CONV_ROW_ORDER", "1") != "0"
+# Why `auto` keeps site order for now (row_order_allowed); "" once verified. The H200 ran
+# (memcheck, racecheck, the GPU suite: runs_2026-12-03_session12 d4) the kernel with 4096-row
+# windows, whose 32 KB of static shared memory exceed MUSA's budget (scripts/clang_cuda_check.sh);
+# the 2048-row windows of this build have not run on a GPU. MUSPACE_TRY_UNVERIFIED=1 (the GPU
+# sessions) orders them.
+ROW_ORDER_UNVERIFIED = "sparse_conv_row_order's 2048-row windows have not run on a GPU yet"
 
 # Strided / transposed rule books whose output grid (batch x out_shape) has at most this many
 # cells per (offset, input) candidate take the bitmap (its words <= 2 K N int32: zeroing,
@@ -624,16 +631,24 @@ class _RowOrders(TensorKeyedCache):
 ROW_ORDERS = _RowOrders()
 
 
-ROW_ORDER_WINDOW = 4096  # sparse_conv_row_order's kOrderWindow
+ROW_ORDER_WINDOW = 2048  # sparse_conv_row_order's kOrderWindow
+
+
+def row_order_allowed() -> bool:
+    """Whether row_order may order maps: enabled, and verified (ROW_ORDER_UNVERIFIED) or
+    MUSPACE_TRY_UNVERIFIED=1."""
+    if not ROW_ORDER_ENABLED:
+        return False
+    return not ROW_ORDER_UNVERIFIED or os.environ.get(_opdef.TRY_UNVERIFIED) == "1"
 
 
 def row_order(neighbour_map, st):
     """int32 [rows]: neighbour_map's rows sorted by their masks (bit k: a neighbour at offset k)
     within windows of ROW_ORDER_WINDOW rows, ties by row (sparse_conv_row_order), the order the
-    implicit GEMMs take them in; None for site order (ROW_ORDER_MIN_ROWS, K > 32). Cached per
-    map (ROW_ORDERS)."""
+    implicit GEMMs take them in; None for site order (row_order_allowed, ROW_ORDER_MIN_ROWS,
+    K > 32). Cached per map (ROW_ORDERS)."""
     rows, K = neighbour_map.shape
-    if not ROW_ORDER_ENABLED or rows < ROW_ORDER_MIN_ROWS or K > 32:
+    if not row_order_allowed() or rows < ROW_ORDER_MIN_ROWS or K > 32:
         return None
     order = ROW_ORDERS.get(neighbour_map)
     if order is None:

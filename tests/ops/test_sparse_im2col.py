@@ -151,6 +151,7 @@ def emulated(monkeypatch):
     fake = types.SimpleNamespace(function=function, limit=lambda key: 2**31 - 1)
     monkeypatch.setattr(_sparse_native, "native", fake)
     monkeypatch.setattr(_sparse_native, "stream_handle", lambda t: 0)
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_UNVERIFIED", "")  # the orchestration as verified
     caches = (
         _sparse_native.CHECKED_PAIRS,
         _sparse_native.NEIGHBOUR_MAPS,
@@ -331,3 +332,16 @@ def test_the_row_order_groups_rows_by_their_masks(emulated, monkeypatch):
     assert _sparse_native.row_order(torch.zeros(5, 33, dtype=torch.int32), 0) is None
     monkeypatch.setattr(_sparse_native, "ROW_ORDER_ENABLED", False)
     assert _sparse_native.row_order(out_map, 0) is None
+
+
+def test_an_unverified_row_order_runs_only_when_asked(emulated, monkeypatch):
+    """While ROW_ORDER_UNVERIFIED says why, `auto` keeps site order; MUSPACE_TRY_UNVERIFIED=1
+    (the GPU sessions that verify it) orders the maps."""
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_UNVERIFIED", "not run on a GPU yet")
+    f, w, p, n, m, inv = sparse_conv.sample_case("cpu", subm=False)
+    out_map, in_map = _sparse_native.neighbour_maps(p, n, f.shape[0], m, False, 0)
+    monkeypatch.delenv("MUSPACE_TRY_UNVERIFIED", raising=False)
+    assert _sparse_native.row_order(in_map, 0) is None
+    monkeypatch.setenv("MUSPACE_TRY_UNVERIFIED", "1")
+    assert _sparse_native.row_order(in_map, 0) is not None

@@ -265,6 +265,7 @@ def test_im2col_conv_is_bit_exact_under_deterministic_algorithms(monkeypatch, dt
     monkeypatch.setattr(_sparse_native, "IM2COL_CHUNK_ELEMENTS", 1 << 16)  # several chunks
     monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", gemm)
     monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0)  # the mask order rebuilt too
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_UNVERIFIED", "")
     args, x, w = _im2col_case("subm k3", 32, 32, False, dtype)
     torch.use_deterministic_algorithms(True)
     try:
@@ -336,6 +337,7 @@ def test_implicit_gemm_conv_matches_the_reference(monkeypatch, layer, c_in, c_ou
 
     monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", "implicit")
     monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0 if row_order == "masks" else 2**40)
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_UNVERIFIED", "")  # the kernel under test
     args, x, w = _im2col_case(layer, c_in, c_out, inverse, dtype)
     want = sparse_conv(x, w, *args, backend="reference")
     called = recording_entry_points(monkeypatch)
@@ -367,6 +369,7 @@ def test_the_row_order_changes_no_forward_bit(monkeypatch, layer, c_in, c_out, i
     tolerance table."""
     from mu_space.ops import _sparse_native
 
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_UNVERIFIED", "")  # the kernel under test
     args, x, w = _im2col_case(layer, c_in, c_out, inverse, dtype)
     g = _feats(args[2], c_out, dtype, 17)
     runs = {}

@@ -187,12 +187,13 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
         _sparse_native.implicit_gemm(g, in_map, w.permute(0, 2, 1).contiguous(), torch.float32, 0)
     with pytest.raises(ReachedRuntime):  # and weight gradient
         _sparse_native.implicit_wgrad(f, out_map, g, 0)
-    _sparse_native.ROW_ORDER_MIN_ROWS, min_rows = 0, _sparse_native.ROW_ORDER_MIN_ROWS
+    saved = _sparse_native.ROW_ORDER_MIN_ROWS, _sparse_native.ROW_ORDER_UNVERIFIED
+    _sparse_native.ROW_ORDER_MIN_ROWS, _sparse_native.ROW_ORDER_UNVERIFIED = 0, ""
     try:
         with pytest.raises(ReachedRuntime):  # a map's row order
             _sparse_native.row_order(out_map, 0)
     finally:
-        _sparse_native.ROW_ORDER_MIN_ROWS = min_rows
+        _sparse_native.ROW_ORDER_MIN_ROWS, _sparse_native.ROW_ORDER_UNVERIFIED = saved
     want = ["sparse_conv_maps"] * 3 + ["sparse_pairs_check"]
     want += ["sparse_conv_im2col"] * (len(cols_dtypes) + 1) + ["sparse_conv_implicit_gemm"] * 2
     want += ["sparse_conv_implicit_wgrad", "sparse_conv_row_order"]
