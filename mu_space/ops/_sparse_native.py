@@ -88,8 +88,9 @@ UNVERIFIED = ""
 # examines. The implicit GEMMs (sparse_conv_implicit_gemm / _wgrad, 2026-12-02): the GPU suite,
 # memcheck over their 84 tests, racecheck over their entry-point tests and 21 conv cases (H200,
 # runs_2026-12-02_session10 d3 / d4; docs/operators/sparse_conv.md). Their per-tile offset lists
-# and row orders (sparse_conv_row_order, 2026-12-03): the GPU suite, memcheck over 45 and
-# racecheck over 37 of their tests (runs_2026-12-03_session12 d4).
+# and row orders (2026-12-03): the GPU suite, memcheck over 45 and racecheck over 37 of their
+# tests (runs_2026-12-03_session12 d4), sparse_conv_row_order then with 4096-row windows (the
+# 2048-row build since: ROW_ORDER_UNVERIFIED).
 CONV_UNVERIFIED = ""
 RULEBOOK_ENTRY_POINTS = (
     "sparse_rulebook_forward",
