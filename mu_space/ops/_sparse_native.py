@@ -180,8 +180,15 @@ def _shape_type():
 
 
 def native_shape(values):
-    """A TVM-FFI Shape (an int64 array passed by value) of `values`."""
-    return _shape_type()(tuple(int(v) for v in values))
+    """A TVM-FFI Shape (an int64 array passed by value) of `values`, one object per distinct
+    value tuple (Shapes are immutable): building one took ~13 us of host time under cProfile on
+    the H200 machine, 84 of them per CenterPoint encoder forward (D2 of session 12)."""
+    return _cached_shape(tuple(int(v) for v in values))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_shape(values: tuple):
+    return _shape_type()(values)
 
 
 def table_capacity(n: int) -> int:
