@@ -284,8 +284,10 @@ constexpr int kOrderWindow = 2048;
 constexpr int kOrderThreads = 512;
 // A block per window of kOrderWindow rows: keys (mask << 32 | row in the window), distinct, so
 // the ascending bitonic sort is the stable sort by mask; padding keys sort last. The masks are
-// OR-ed into the keys' high words from coalesced reads of the window's map rows (contiguous):
-// one thread per row reading its K entries took ~50 us a call on the H200 (29 blocks of latency).
+// OR-ed into the keys' high words from coalesced reads of the window's map rows (contiguous).
+// On the H200 (session 12) neither mask pass was fast: one thread per row reading its K entries
+// averaged 52 us a call (D3, all 16 maps of an encoder step), this one 79 us (D4, the 4 input-side
+// maps; the ~27 lanes of one row's entries serialise on its word's shared atomicOr).
 __global__ void __launch_bounds__(kOrderThreads)
     row_order_kernel(const int* __restrict__ map, int k_volume, int64_t rows,
                      int* __restrict__ order) {

@@ -142,14 +142,15 @@ GEMM_CHOICE = os.environ.get("MUSPACE_SPARSE_CONV_GEMM", "auto")
 # patterns, and rows in site order mix them all. On the CenterPoint frame (118561 voxels;
 # reference rule books, counted on the CPU, 2026-12-03) the (offset, 64-row tile) steps of those
 # maps fell 2.4-4.9x (2.5-5.2x with the 4096-row windows the H200 ran), within 16% of the pair
-# count. The other maps keep site order: their
-# steps fell 1.1-1.9x by mask, but on the H200 (D3 of session 12, no spconv in the process) the
-# SubM 16 -> 16 forward took 649 us in mask order against 476 in site order (gathered rows and
-# written rows no longer near each other) and the strided forward 616 against 574, while the
-# inverse forward fell 236 -> 75 us and the strided backward 501 -> 340. Maps of fewer than
-# ROW_ORDER_MIN_ROWS rows (a few tiles) and of K > 32 offsets (no 32-bit mask) keep site order
-# too. MUSPACE_SPARSE_CONV_ROW_ORDER=0 keeps site order everywhere (A/B timing).
+# count. The other maps keep site order: their steps fell 1.1-1.9x by mask, but on the H200
+# (D3 of session 12, no spconv in the process) the SubM 16 -> 16 forward took 649 us in mask
+# order against 476 in site order (gathered rows and written rows no longer near each other)
+# and the strided forward 616 against 574, while the inverse forward fell 236 -> 75 us and the
+# strided backward 501 -> 340. Maps of fewer than ROW_ORDER_MIN_ROWS rows (a few tiles) and of
+# K > 32 offsets (no 32-bit mask) keep site order too. MUSPACE_SPARSE_CONV_ROW_ORDER=0 keeps
+# site order everywhere (A/B timing).
 ROW_ORDER_MIN_ROWS = 4096
+ROW_ORDER_WINDOW = 2048  # sparse_conv_row_order's kOrderWindow (rows sorted together)
 ROW_ORDER_ENABLED = os.environ.get("MUSPACE_SPARSE_CONV_ROW_ORDER", "1") != "0"
 # Why `auto` keeps site order for now (row_order_allowed); "" once verified. The H200 ran
 # (memcheck, racecheck, the GPU suite: runs_2026-12-03_session12 d4) the kernel with 4096-row
@@ -639,9 +640,6 @@ class _RowOrders(TensorKeyedCache):
 ROW_ORDERS = _RowOrders()
 
 
-ROW_ORDER_WINDOW = 2048  # sparse_conv_row_order's kOrderWindow
-
-
 def row_order_allowed() -> bool:
     """Whether row_order may order maps: enabled, and verified (ROW_ORDER_UNVERIFIED) or
     MUSPACE_TRY_UNVERIFIED=1."""
@@ -669,7 +667,7 @@ def row_order(neighbour_map, st):
 def ordered_map(n_in: int, n_out: int, inverse: bool) -> int | None:
     """The neighbour map (0: out_map, 1: in_map) whose rows the implicit GEMMs take in mask
     order: a strided rule book's input side (n_in != n_out; in_map, or out_map for an inverse
-    conv), None for a SubM one (ROW_ORDER_MIN_ROWS)."""
+    conv), None for a SubM one (its maps keep site order: ROW_ORDER_MIN_ROWS' comment)."""
     if n_in == n_out:
         return None
     return 0 if inverse else 1
