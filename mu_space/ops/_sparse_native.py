@@ -89,8 +89,8 @@ UNVERIFIED = ""
 # memcheck over their 84 tests, racecheck over their entry-point tests and 21 conv cases (H200,
 # runs_2026-12-02_session10 d3 / d4; docs/operators/sparse_conv.md). Their per-tile offset lists
 # and row orders (2026-12-03): the GPU suite, memcheck over 45 and racecheck over 37 of their
-# tests (runs_2026-12-03_session12 d4), sparse_conv_row_order then with 4096-row windows (the
-# 2048-row build since: ROW_ORDER_UNVERIFIED).
+# tests (runs_2026-12-03_session12 d4, sparse_conv_row_order then with 4096-row windows), and the
+# 2048-row build of sparse_conv_row_order the same way (runs_2026-12-03_session13 d5).
 CONV_UNVERIFIED = ""
 RULEBOOK_ENTRY_POINTS = (
     "sparse_rulebook_forward",
@@ -152,12 +152,10 @@ GEMM_CHOICE = os.environ.get("MUSPACE_SPARSE_CONV_GEMM", "auto")
 ROW_ORDER_MIN_ROWS = 4096
 ROW_ORDER_WINDOW = 2048  # sparse_conv_row_order's kOrderWindow (rows sorted together)
 ROW_ORDER_ENABLED = os.environ.get("MUSPACE_SPARSE_CONV_ROW_ORDER", "1") != "0"
-# Why `auto` keeps site order for now (row_order_allowed); "" once verified. The H200 ran
-# (memcheck, racecheck, the GPU suite: runs_2026-12-03_session12 d4) the kernel with 4096-row
-# windows, whose 32 KB of static shared memory exceed MUSA's budget (scripts/clang_cuda_check.sh);
-# the 2048-row windows of this build have not run on a GPU. MUSPACE_TRY_UNVERIFIED=1 (the GPU
-# sessions) orders them.
-ROW_ORDER_UNVERIFIED = "sparse_conv_row_order's 2048-row windows have not run on a GPU yet"
+# Why `auto` would keep site order (row_order_allowed); "" once verified: the 2048-row windows
+# (16 KB of static shared memory, inside MUSA's < 28 KB) passed the GPU suite, memcheck and
+# racecheck on the H200 (runs_2026-12-03_session13 d5).
+ROW_ORDER_UNVERIFIED = ""
 
 # Strided / transposed rule books whose output grid (batch x out_shape) has at most this many
 # cells per (offset, input) candidate take the bitmap (its words <= 2 K N int32: zeroing,
@@ -228,10 +226,14 @@ def insert_table(source, batch_size, shape, header, st):
 
 
 def _geometry(info):
-    return tuple(
-        native_shape(info[k])
-        for k in ("spatial", "out_shape", "ksize", "stride", "padding", "dilation")
+    return _geometry_shapes(
+        tuple(info[k] for k in ("spatial", "out_shape", "ksize", "stride", "padding", "dilation"))
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry_shapes(values: tuple):
+    return tuple(native_shape(v) for v in values)
 
 
 def rulebook_pairs(indices, table, workspace, info, mode: int, n_rows: int, st):

@@ -10,6 +10,7 @@ duplicate / out-of-range / batch rules, empty inputs.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -199,3 +200,26 @@ def test_argument_errors_name_the_argument():
         sparse_rulebook(idx, 1, [4, 4, 4], 3, 1, [1.5, 1, 1])
     with pytest.raises(ValueError, match="int64 key range"):
         sparse_rulebook(idx, 1, [2**30, 2**30, 2**30], 3)
+
+
+def test_the_kept_geometry_parse_is_the_full_parse():
+    """The geometry's parse is kept per plain value tuple (sparse_rulebook._GEOMETRIES): a kept
+    parse equals the parse of the same values given as tensors (never kept), an error is raised
+    on every call (never kept), and True never stands for 1."""
+    module = importlib.import_module("mu_space.ops.sparse_rulebook")
+    idx = random_sites(10, 1, [4, 4, 4], seed=7)
+    geometry = (1, [4, 4, 4], [3, 3, 3], [2, 2, 2], [1, 1, 1], [1, 1, 1], [0, 0, 0], False, False)
+    first = module._parse(idx, *geometry)
+    assert module._geometry_key(3, geometry) in module._GEOMETRIES
+    assert module._parse(idx, *geometry) == first
+    as_tensors = [torch.tensor(v) if isinstance(v, list) else v for v in geometry]
+    assert module._geometry_key(3, as_tensors) is None
+    assert module._parse(idx, *as_tensors) == first
+    assert module._parse(idx[:4], *geometry)["n"] == 4
+    for _ in range(2):
+        with pytest.raises(TypeError, match="batch_size must be an integer"):
+            module._parse(idx, True, *geometry[1:])
+        with pytest.raises(TypeError, match=r"kernel_size\[0\] must be an integer"):
+            module._parse(idx, 1, [4, 4, 4], [True, 3, 3], *geometry[3:])
+        with pytest.raises(ValueError, match="stride"):
+            module._parse(idx, 1, [4, 4, 4], 3, 0, *geometry[4:])
