@@ -135,6 +135,15 @@ IMPLICIT_GEMM_DTYPES = frozenset({torch.float32})
 TENSOR_CORE_DTYPES = frozenset({torch.float16, torch.bfloat16})
 WGRAD_MAX_COLUMNS = 16
 GEMM_CHOICE = os.environ.get("MUSPACE_SPARSE_CONV_GEMM", "auto")
+# float32 forwards of C_in * C_out >= this take the per-offset path (gather -> torch.mm ->
+# scatter-add over the pairs only): the SIMT implicit GEMM falls behind as channels grow. H200,
+# SubM k3 forward at 118561 voxels (runs_2026-12-03_session13 d7, us, implicit / per-offset):
+# 16 -> 16 675 / 1129, 32 -> 32 890 / 1669, 64 -> 64 1554 / 1700, 128 -> 128 4119 / 1907,
+# 256 -> 256 14359 / 4068 (spconv 2.3.8 in d6: 1456 at 128, 4018 at 256). The backward keeps its
+# choice (not measured wide). MUSPACE_SPARSE_CONV_PER_OFFSET_CHANNELS=0: never (A/B timing).
+PER_OFFSET_MIN_CHANNEL_PRODUCT = int(
+    os.environ.get("MUSPACE_SPARSE_CONV_PER_OFFSET_CHANNELS", 128 * 128)
+)
 # The implicit GEMMs take a strided rule book's input-side map (ordered_map: the input
 # gradient's in_map, an inverse conv's out_map) in the order of its rows' masks (row_order:
 # sorted within windows of 2048 rows, sparse_conv_row_order), so a tile steps through fewer
@@ -621,6 +630,16 @@ def use_implicit_gemm(features: torch.Tensor) -> bool:
     return GEMM_CHOICE == "implicit"
 
 
+def use_per_offset_forward(dtype: torch.dtype, c_in: int, c_out: int) -> bool:
+    """Whether a forward takes the per-offset path although the im2col paths could
+    (PER_OFFSET_MIN_CHANNEL_PRODUCT)."""
+    return (
+        GEMM_CHOICE == "auto"
+        and dtype == torch.float32
+        and 0 < PER_OFFSET_MIN_CHANNEL_PRODUCT <= c_in * c_out
+    )
+
+
 def use_implicit_wgrad(dtype: torch.dtype, c_out: int) -> bool:
     """Whether the weight gradient takes sparse_conv_implicit_wgrad."""
     if GEMM_CHOICE == "auto":
@@ -788,7 +807,10 @@ def conv_native(c, features, weight, indice_pairs, indice_pair_num, num_out, inv
     if _too_many_pairs(indice_pairs, "sparse_conv"):
         return sparse_conv_reference(*args)
     n, m, K, c_in, c_out, inverse = c.info
-    maps = _conv_maps(c, features, indice_pairs, indice_pair_num)
+    if use_per_offset_forward(features.dtype, c_in, c_out):
+        maps = None
+    else:
+        maps = _conv_maps(c, features, indice_pairs, indice_pair_num)
     if maps is False:
         return sparse_conv_reference(*args)  # sums repeated pairs / raises for bad rows
     if maps is not None:

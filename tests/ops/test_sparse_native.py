@@ -419,6 +419,42 @@ def test_16_bit_convs_take_the_tensor_core_gemm_by_default(monkeypatch, layer, c
     tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("threshold", ["default", "never"])
+def test_wide_float32_forwards_take_the_per_offset_path(monkeypatch, threshold):
+    """A float32 forward of C_in * C_out >= PER_OFFSET_MIN_CHANNEL_PRODUCT (128 -> 128 here)
+    gathers, multiplies per offset (torch.mm) and scatters, with no neighbour maps and no
+    implicit GEMM; with the threshold off (0) it takes the implicit GEMM. Both within the
+    tolerance table, and the backward is unchanged by the choice."""
+    from mu_space.ops import _sparse_native
+    from tests.helpers import recording_entry_points
+
+    monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", "auto")
+    if threshold == "never":
+        monkeypatch.setattr(_sparse_native, "PER_OFFSET_MIN_CHANNEL_PRODUCT", 0)
+    assert _sparse_native.use_per_offset_forward(torch.float32, 128, 128) == (
+        threshold == "default"
+    )
+    assert not _sparse_native.use_per_offset_forward(torch.float32, 64, 128)
+    assert not _sparse_native.use_per_offset_forward(torch.float16, 128, 128)
+    args, x, w = _im2col_case("subm k3", 128, 128, False, torch.float32, keep=3000)
+    want = sparse_conv(x, w, *args, backend="reference")
+    called = recording_entry_points(monkeypatch)
+    with _opdef.poisoned_outputs():
+        got = sparse_conv(x, w, *args, backend="native")
+    if threshold == "default":
+        assert "sparse_conv_gather" in called and "sparse_conv_scatter" in called
+        assert "sparse_conv_implicit_gemm" not in called and "sparse_conv_maps" not in called
+    else:
+        assert called.count("sparse_conv_implicit_gemm") == 1
+    tolerances.assert_close(got, want, op="sparse_conv")
+    g = _feats(len(want), 128, torch.float32, 13)
+    want_g = torch.autograd.grad(want, (x, w), g)
+    with _opdef.poisoned_outputs():
+        got_g = torch.autograd.grad(got, (x, w), g)
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
 def _gathered_products(src, neighbour_map, weight):
     """float64 sum_k src[map[:, k]] @ weight[k], 0 where map is -1 or not a row of src."""
     n, c = src.shape
