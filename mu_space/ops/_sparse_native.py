@@ -135,15 +135,20 @@ IMPLICIT_GEMM_DTYPES = frozenset({torch.float32})
 TENSOR_CORE_DTYPES = frozenset({torch.float16, torch.bfloat16})
 WGRAD_MAX_COLUMNS = 16
 GEMM_CHOICE = os.environ.get("MUSPACE_SPARSE_CONV_GEMM", "auto")
-# float32 forwards of C_in * C_out >= this take the per-offset path (gather -> torch.mm ->
-# scatter-add over the pairs only): the SIMT implicit GEMM falls behind as channels grow. H200,
-# SubM k3 forward at 118561 voxels (runs_2026-12-03_session13 d7, us, implicit / per-offset):
-# 16 -> 16 675 / 1129, 32 -> 32 890 / 1669, 64 -> 64 1554 / 1700, 128 -> 128 4119 / 1907,
-# 256 -> 256 14359 / 4068 (spconv 2.3.8 in d6: 1456 at 128, 4018 at 256). The backward keeps its
-# choice (not measured wide). MUSPACE_SPARSE_CONV_PER_OFFSET_CHANNELS=0: never (A/B timing).
+# float32 forwards of C_in * C_out >= PER_OFFSET_MIN_CHANNEL_PRODUCT over at least
+# PER_OFFSET_MIN_ROWS output rows take the per-offset path (gather -> torch.mm -> scatter-add
+# over the pairs only): the SIMT implicit GEMM falls behind as channels grow. H200, SubM k3
+# forward at 118561 voxels (runs_2026-12-03_session13 d7, us, implicit / per-offset): 16 -> 16
+# 675 / 1129, 32 -> 32 890 / 1669, 64 -> 64 1554 / 1700, 128 -> 128 4119 / 1907, 256 -> 256
+# 14359 / 4068 (d8: 3850 / 2134 and 14052 / 4241; spconv 2.3.8 in d6: 1456 and 4018). The
+# CenterPoint encoder's 128 -> 128 layers (14142 rows) gained nothing that way (d8, its float32
+# forward 11.0 ms with them per offset against 9.4 without, forward + backward 35.5 against 28.9
+# in the same call), so fewer rows keep the implicit GEMM. The backward keeps its choice (not
+# measured wide). MUSPACE_SPARSE_CONV_PER_OFFSET_CHANNELS=0: never (A/B timing).
 PER_OFFSET_MIN_CHANNEL_PRODUCT = int(
     os.environ.get("MUSPACE_SPARSE_CONV_PER_OFFSET_CHANNELS", 128 * 128)
 )
+PER_OFFSET_MIN_ROWS = 65536
 # The implicit GEMMs take a strided rule book's input-side map (ordered_map: the input
 # gradient's in_map, an inverse conv's out_map) in the order of its rows' masks (row_order:
 # sorted within windows of 2048 rows, sparse_conv_row_order), so a tile steps through fewer
@@ -630,13 +635,14 @@ def use_implicit_gemm(features: torch.Tensor) -> bool:
     return GEMM_CHOICE == "implicit"
 
 
-def use_per_offset_forward(dtype: torch.dtype, c_in: int, c_out: int) -> bool:
-    """Whether a forward takes the per-offset path although the im2col paths could
-    (PER_OFFSET_MIN_CHANNEL_PRODUCT)."""
+def use_per_offset_forward(dtype: torch.dtype, c_in: int, c_out: int, rows: int) -> bool:
+    """Whether a forward of `rows` output rows takes the per-offset path although the im2col
+    paths could (PER_OFFSET_MIN_CHANNEL_PRODUCT, PER_OFFSET_MIN_ROWS)."""
     return (
         GEMM_CHOICE == "auto"
         and dtype == torch.float32
         and 0 < PER_OFFSET_MIN_CHANNEL_PRODUCT <= c_in * c_out
+        and rows >= PER_OFFSET_MIN_ROWS
     )
 
 
@@ -807,7 +813,7 @@ def conv_native(c, features, weight, indice_pairs, indice_pair_num, num_out, inv
     if _too_many_pairs(indice_pairs, "sparse_conv"):
         return sparse_conv_reference(*args)
     n, m, K, c_in, c_out, inverse = c.info
-    if use_per_offset_forward(features.dtype, c_in, c_out):
+    if use_per_offset_forward(features.dtype, c_in, c_out, m):
         maps = None
     else:
         maps = _conv_maps(c, features, indice_pairs, indice_pair_num)

@@ -423,20 +423,23 @@ def test_16_bit_convs_take_the_tensor_core_gemm_by_default(monkeypatch, layer, c
 @pytest.mark.parametrize("threshold", ["default", "never"])
 def test_wide_float32_forwards_take_the_per_offset_path(monkeypatch, threshold):
     """A float32 forward of C_in * C_out >= PER_OFFSET_MIN_CHANNEL_PRODUCT (128 -> 128 here)
-    gathers, multiplies per offset (torch.mm) and scatters, with no neighbour maps and no
-    implicit GEMM; with the threshold off (0) it takes the implicit GEMM. Both within the
-    tolerance table, and the backward is unchanged by the choice."""
+    and enough output rows (PER_OFFSET_MIN_ROWS, lowered here) gathers, multiplies per offset
+    (torch.mm) and scatters, with no neighbour maps and no implicit GEMM; with the threshold
+    off (0) it takes the implicit GEMM. Both within the tolerance table, and the backward is
+    unchanged by the choice."""
     from mu_space.ops import _sparse_native
     from tests.helpers import recording_entry_points
 
     monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", "auto")
     if threshold == "never":
         monkeypatch.setattr(_sparse_native, "PER_OFFSET_MIN_CHANNEL_PRODUCT", 0)
-    assert _sparse_native.use_per_offset_forward(torch.float32, 128, 128) == (
-        threshold == "default"
-    )
-    assert not _sparse_native.use_per_offset_forward(torch.float32, 64, 128)
-    assert not _sparse_native.use_per_offset_forward(torch.float16, 128, 128)
+    rows = _sparse_native.PER_OFFSET_MIN_ROWS
+    wide = _sparse_native.use_per_offset_forward(torch.float32, 128, 128, rows)
+    assert wide == (threshold == "default")
+    assert not _sparse_native.use_per_offset_forward(torch.float32, 128, 128, rows - 1)
+    assert not _sparse_native.use_per_offset_forward(torch.float32, 64, 128, rows)
+    assert not _sparse_native.use_per_offset_forward(torch.float16, 128, 128, rows)
+    monkeypatch.setattr(_sparse_native, "PER_OFFSET_MIN_ROWS", 1)
     args, x, w = _im2col_case("subm k3", 128, 128, False, torch.float32, keep=3000)
     want = sparse_conv(x, w, *args, backend="reference")
     called = recording_entry_points(monkeypatch)
