@@ -3,6 +3,10 @@
 // kernels"), so that native and reference rule books are equal element by element.
 //
 // Entry points (mu_space/ops/_sparse_native.py runs them in this order, on the caller's stream):
+//   sparse_rulebook_subm       a SubM rule book in one call: the input table, the pairs (the
+//                              kernels of sparse_rulebook_forward mode 0), out_indices = a copy
+//                              of indices, and (when asked) the flags read back and returned
+// strided / transposed:
 //   sparse_hash_insert         the table of the input keys (rows -> keys, checked against
 //                              [0, batch) x [0, spatial_shape): header[kBad]; a repeated key
 //                              keeps its first row: header[kDup]), or of the output keys
@@ -29,8 +33,9 @@
 //   sparse_rulebook_forward_bitmap  sparse_rulebook_forward with the rank as the lookup
 //   sparse_rulebook_decode_bitmap   a thread per word: its set bits -> out_indices rows
 //
-// No host synchronisation here; the caller reads the int32 header [4] (bad rows, duplicates, M,
-// table full) once. Every data-dependent index is bounds-checked (rows, slots, keys).
+// No host synchronisation here except sparse_rulebook_subm's flag read; the caller reads the
+// int32 header [4] (bad rows, duplicates, M, table full) once. Every data-dependent index is
+// bounds-checked (rows, slots, keys).
 
 #include <tvm/ffi/container/shape.h>
 #include <tvm/ffi/function.h>
@@ -42,6 +47,7 @@
 #include "checks.muh"
 #include "gpu_compat.muh"
 #include "launch.muh"
+#include "readback.muh"
 #include "scan.muh"
 #include "sparse_common.muh"
 
@@ -73,12 +79,17 @@ int blocks_for(int64_t n, int device_id) { return grid_for(n, kBlock, device_id,
 
 // ------------------------------------------------------------------------------ kernels
 
+// copy (may be null): each row is also copied there (sparse_rulebook_subm's out_indices)
 __global__ void __launch_bounds__(kBlock)
     insert_rows_kernel(const int* __restrict__ indices, int n, int ndim, Geometry g,
                        int64_t* __restrict__ keys, int* __restrict__ vals, uint64_t mask,
-                       int* __restrict__ header) {
+                       int* __restrict__ header, int* __restrict__ copy) {
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
-    const int64_t key = site_key(indices + i * (ndim + 1), ndim, g.batch, g.in_shape);
+    const int* row = indices + i * (ndim + 1);
+    if (copy != nullptr) {
+      for (int c = 0; c <= ndim; ++c) copy[i * (ndim + 1) + c] = row[c];
+    }
+    const int64_t key = site_key(row, ndim, g.batch, g.in_shape);
     if (key < 0) {
       atomicOr(header + kBad, 1);
       continue;
@@ -534,7 +545,7 @@ void hash_insert_entry(TensorView source, TensorView table_keys, TensorView tabl
   if (rows) {
     insert_rows_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
         data_of<const int>(source), static_cast<int>(n), g.ndim, g, data_of<int64_t>(table_keys),
-        data_of<int>(table_vals), mask, data_of<int>(header));
+        data_of<int>(table_vals), mask, data_of<int>(header), nullptr);
     check_launch("sparse_hash_insert insert_rows_kernel");
   } else {
     insert_keys_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
@@ -664,8 +675,8 @@ Geometry check_forward(const TensorView& indices, const TensorView& workspace,
 // of the flags, the -1 fill, the emit and the K counts. pairs and pair_num are written in full.
 template <typename Lookup>
 void launch_pairs(const TensorView& indices, const Geometry& g, Lookup lookup, int64_t n_rows,
-                  const TensorView& workspace, const TensorView& pairs, const TensorView& pair_num,
-                  int device_id, gpuStream_t st, const char* what) {
+                  int* ws, const TensorView& pairs, const TensorView& pair_num, int device_id,
+                  gpuStream_t st, const char* what) {
   const int64_t n = indices.size(0);
   const int64_t k_volume = kernel_volume(g);
   if (n == 0) {
@@ -673,7 +684,6 @@ void launch_pairs(const TensorView& indices, const Geometry& g, Lookup lookup, i
     return;
   }
   const PairLayout l = pair_layout(k_volume, n);
-  int* ws = data_of<int>(workspace);
   const int64_t blocks = k_volume * l.tiles;  // <= K N <= INT_MAX - 1
   pair_lookup_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, st>>>(
       data_of<const int>(indices), static_cast<int>(n), l.tiles, g, lookup,
@@ -701,8 +711,109 @@ void forward_entry(TensorView indices, TensorView table_keys, TensorView table_v
   DeviceGuard guard(device_id);
   const TableLookup lookup{data_of<const int64_t>(table_keys), data_of<const int>(table_vals),
                            mask};
-  launch_pairs(indices, g, lookup, n_rows, workspace, pairs, pair_num, device_id, as_stream(stream),
-               "sparse_rulebook_forward");
+  launch_pairs(indices, g, lookup, n_rows, data_of<int>(workspace), pairs, pair_num, device_id,
+               as_stream(stream), "sparse_rulebook_forward");
+}
+
+// ------------------------------------------------------------------------- SubM in one call
+
+// sparse_rulebook_subm's workspace (int32 offsets): the table's keys [C] int64 | its vals [C] |
+// the header [4] | the pairs' workspace, C = the power of two >= max(2, 2 n) of
+// _sparse_native.table_capacity. C is even, so the header's 16 bytes are 8-byte aligned (the
+// read-back copies them as two int64).
+struct SubmLayout {
+  int64_t capacity, vals, header, pairs, ints;
+};
+
+SubmLayout subm_layout(int64_t k_volume, int64_t n) {
+  SubmLayout l;
+  l.capacity = 2;
+  while (l.capacity < 2 * n) l.capacity *= 2;
+  l.vals = 2 * l.capacity;
+  l.header = l.vals + l.capacity;
+  l.pairs = l.header + kHeaderInts;
+  l.ints = l.pairs + pair_layout(k_volume, n).ints;
+  return l;
+}
+
+int64_t subm_workspace_ints(int64_t k_volume, int64_t n) {
+  if (k_volume < 1 || k_volume > kMaxKernelVolume || n < 0 || n > INT_MAX) {
+    TVM_FFI_THROW(ValueError) << "sparse_rulebook_subm_workspace_ints: K = " << k_volume
+                              << ", N = " << n << " out of range";
+  }
+  check_candidates(k_volume, n);
+  return subm_layout(k_volume, n).ints;
+}
+
+// A SubM rule book in one call (the host time of one entry instead of an insert, a forward and
+// the torch ops between them; H200, 2026-12-03: 190 us of host time per SubM rule book, 42 us
+// of it in the two entries): the table of the input keys, the pairs (mode 0), out_indices = a
+// copy of indices (written by the insert). With read_flags the header is read back right after
+// the insert and waited for once the pairs' kernels are queued (readback.muh), and the flags
+// are returned: bit 0 a row outside [0, batch) x [0, spatial_shape), bit 1 a repeated site,
+// bit 2 a full table (impossible at capacity >= 2 n); without, -1 and no wait.
+int64_t subm_entry(TensorView indices, TensorView workspace, TensorView pairs, TensorView pair_num,
+                   TensorView out_indices, int64_t batch_size, Shape spatial, Shape ksize,
+                   Shape padding, Shape dilation, bool read_flags, int64_t stream) {
+  const int ndim = check_indices(indices);
+  Geometry g{};
+  g.ndim = ndim;
+  g.mode = kSubm;
+  g.batch = check_batch(batch_size);
+  copy_dims(spatial, "spatial_shape", ndim, 1, g.in_shape);
+  copy_dims(spatial, "spatial_shape", ndim, 1, g.out_shape);
+  copy_dims(ksize, "kernel_size", ndim, 1, g.ksize);
+  copy_dims(padding, "padding", ndim, 0, g.pad);
+  copy_dims(dilation, "dilation", ndim, 1, g.dil);
+  for (int a = 0; a < ndim; ++a) g.stride[a] = 1;
+  check_key_range(g.batch, g.in_shape, ndim, "spatial_shape");
+  int64_t k_volume = 1;
+  for (int a = 0; a < ndim; ++a) {
+    k_volume *= g.ksize[a];
+    if (k_volume > kMaxKernelVolume) {
+      TVM_FFI_THROW(ValueError) << "kernel_size has more than " << kMaxKernelVolume << " offsets";
+    }
+  }
+  const int64_t n = indices.size(0);
+  check_candidates(k_volume, n);
+  const SubmLayout l = subm_layout(k_volume, n);
+  check_workspace(workspace, indices, l.ints);
+  check_input(pairs, "pairs", indices, kInt32);
+  check_ndim(pairs, "pairs", 3);
+  check_size(pairs, "pairs", 0, k_volume);
+  check_size(pairs, "pairs", 1, 2);
+  check_size(pairs, "pairs", 2, n);
+  check_vector(pair_num, "pair_num", indices, kInt32, k_volume);
+  check_input(out_indices, "out_indices", indices, kInt32);
+  check_same_shape(out_indices, "out_indices", indices, "indices");
+  const int device_id = indices.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  int* ws = data_of<int>(workspace);
+  int64_t* keys = reinterpret_cast<int64_t*>(ws);
+  int* vals = ws + l.vals;
+  int* header = ws + l.header;
+  launch_fill(keys, l.capacity * 8, fill_word(-1), device_id, st, "sparse_rulebook_subm (keys)");
+  launch_fill(vals, l.capacity * 4, fill_word(kNoRow), device_id, st,
+              "sparse_rulebook_subm (vals)");
+  launch_zero(header, kHeaderInts * 4, device_id, st, "sparse_rulebook_subm (header)");
+  const uint64_t mask = static_cast<uint64_t>(l.capacity - 1);
+  if (n > 0) {
+    insert_rows_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
+        data_of<const int>(indices), static_cast<int>(n), ndim, g, keys, vals, mask, header,
+        data_of<int>(out_indices));
+    check_launch("sparse_rulebook_subm insert_rows_kernel");
+  }
+  Readback read{};
+  if (read_flags) {
+    read = start_readback(reinterpret_cast<const int64_t*>(header), kHeaderInts / 2, device_id, st);
+  }
+  const TableLookup lookup{keys, vals, mask};
+  launch_pairs(indices, g, lookup, n, ws + l.pairs, pairs, pair_num, device_id, st,
+               "sparse_rulebook_subm");
+  if (!read_flags) return -1;
+  const int* h = reinterpret_cast<const int*>(finish_readback(read));
+  return (h[kBad] != 0 ? 1 : 0) | (h[kDup] != 0 ? 2 : 0) | (h[kFull] != 0 ? 4 : 0);
 }
 
 // ------------------------------------------------------------------------- bitmap entry points
@@ -779,8 +890,8 @@ void forward_bitmap_entry(TensorView indices, TensorView bitmap, TensorView work
   const int* ws = data_of<const int>(bitmap);
   const BitmapLookup lookup{reinterpret_cast<const uint32_t*>(ws + l.words), ws + l.prefix,
                             n_words};
-  launch_pairs(indices, g, lookup, n_rows, workspace, pairs, pair_num, device_id, as_stream(stream),
-               "sparse_rulebook_forward_bitmap");
+  launch_pairs(indices, g, lookup, n_rows, data_of<int>(workspace), pairs, pair_num, device_id,
+               as_stream(stream), "sparse_rulebook_forward_bitmap");
 }
 
 // a marked bitmap -> out_indices [M, ndim + 1] (b, q...) in ascending key order
@@ -857,6 +968,9 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_candidates, muspace::sparse::candi
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_unique, muspace::sparse::unique_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_forward, muspace::sparse::forward_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_decode, muspace::sparse::decode_entry);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_subm_workspace_ints,
+                              muspace::sparse::subm_workspace_ints);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_subm, muspace::sparse::subm_entry);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_bitmap_workspace_ints,
                               muspace::sparse::bitmap_workspace_ints);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_rulebook_mark, muspace::sparse::mark_entry);

@@ -8,14 +8,16 @@ Rule book (`rulebook_native`), the reference's layout and order element by eleme
      linear probing bounded by the capacity) of the input keys; rows outside the grid and
      repeated sites set header flags; a repeated key keeps its first row.
   SubM (a rule book already built for the same live sites and layer geometry is returned as
-  is: SUBM_RULEBOOKS):
-  2. `sparse_rulebook_forward` (mode 0): for every (offset k, input j) the reached site looked
-     up in the input table -> output row or -1; the pairs of offset k are the found j in
-     ascending order, then -1, and the K counts (three launches: lookups with a count per tile
-     of 4096 inputs, a scan of each offset's tile counts, the emit at tile prefix + in-tile
-     rank with the -1 padding).
-  3. one host synchronisation: the header (flags) -> the reference's error when a flag is set;
-     none where the indices are a native rule book's output sites for this grid (VALID_SITES).
+  is: SUBM_RULEBOOKS), one entry point, `sparse_rulebook_subm` (`rulebook_subm`):
+  1. the table (as above), the insert also copying the rows into out_indices;
+  2. the pairs (`sparse_rulebook_forward`'s mode 0 kernels): for every (offset k, input j) the
+     reached site looked up in the input table -> output row or -1; the pairs of offset k are
+     the found j in ascending order, then -1, and the K counts (three launches: lookups with a
+     count per tile of 4096 inputs, a scan of each offset's tile counts, the emit at tile
+     prefix + in-tile rank with the -1 padding);
+  3. one host synchronisation: the header (flags), read back after the insert and waited for
+     once the pairs' kernels are queued -> the reference's error when a flag is set; none where
+     the indices are a native rule book's output sites for this grid (VALID_SITES).
   strided / transposed (step 1 only where the input sites are not VALID_SITES of this grid:
   the table is needed for its flags alone), over an output grid of at most
   BITMAP_CELLS_PER_CANDIDATE cells per (k, j) candidate (every CenterPoint / SECOND layer):
@@ -93,6 +95,8 @@ UNVERIFIED = ""
 # 2048-row build of sparse_conv_row_order the same way (runs_2026-12-03_session13 d5).
 CONV_UNVERIFIED = ""
 RULEBOOK_ENTRY_POINTS = (
+    "sparse_rulebook_subm",
+    "sparse_rulebook_subm_workspace_ints",
     "sparse_rulebook_forward",
     "sparse_rulebook_workspace_ints",
     "sparse_hash_insert",
@@ -262,6 +266,28 @@ def rulebook_pairs(indices, table, workspace, info, mode: int, n_rows: int, st):
     return pairs, num
 
 
+def rulebook_subm(indices, info, read_flags: bool, st):
+    """sparse_rulebook_subm -> (indice_pairs [K, 2, N], indice_pair_num [K], out_indices (a copy
+    of indices), flags: -1 where not read, else bit 0 a row outside the grid, bit 1 a repeated
+    site, bit 2 a full table)."""
+    n, K = info["n"], info["K"]
+    ws = _workspace(subm_workspace_ints(K, n), torch.int32, indices.device)
+    pairs = _opdef.new_output(indices, (K, 2, n), torch.int32)
+    num = _opdef.new_output(indices, (K,), torch.int32)
+    out_indices = _opdef.new_output(indices)
+    spatial, _, ksize, _, padding, dilation = _geometry(info)
+    flags = native.function("sparse_rulebook_subm")(
+        indices, ws, pairs, num, out_indices, info["batch_size"], spatial, ksize, padding,
+        dilation, read_flags, st,
+    )  # fmt: skip
+    return pairs, num, out_indices, int(flags)
+
+
+@functools.lru_cache(maxsize=64)
+def subm_workspace_ints(K: int, n: int) -> int:
+    return int(native.function("sparse_rulebook_subm_workspace_ints")(K, n))
+
+
 def use_bitmap(info) -> bool:
     """Whether a strided / transposed rule book takes the bitmap (BITMAP_CELLS_PER_CANDIDATE)."""
     cells = info["batch_size"]
@@ -344,31 +370,25 @@ def rulebook_native(c, *args):
         return same
     indices = indices.contiguous()
     st = stream_handle(indices)
-    dev = indices.device
-    header = torch.zeros(4, dtype=torch.int32, device=dev)
-    ws = _workspace(int(native.function("sparse_rulebook_workspace_ints")(K, n)), torch.int32, dev)
     if info["subm"]:
-        table = insert_table(indices, info["batch_size"], info["spatial"], header, st)
-        pairs, num = rulebook_pairs(indices, table, ws, info, 0, n, st)
-        if VALID_SITES.holds(args[0], grid):
-            # no flag can be set (they depend on the sites and the grid only; a table of
-            # capacity >= 2n is never full): no host synchronisation, counts unknown on the host
-            counts = None
-        else:
-            # the one host synchronisation: the flags, and the counts for the convolutions
-            values = torch.cat((header, num)).tolist()
-            bad, dup, _, full = values[:4]
-            if bad or dup or full:
-                return _rulebook_reference(args)  # raises the reference's message
-            counts = values[4:]
+        # no flag can be set over sites already checked for this grid (they depend on the
+        # sites and the grid only; a table of capacity >= 2n is never full): no read, no wait
+        read = not VALID_SITES.holds(args[0], grid)
+        pairs, num, out_indices, flags = rulebook_subm(indices, info, read, st)
+        if flags > 0:
+            return _rulebook_reference(args)  # raises the reference's message
+        if read:
             VALID_SITES.add(args[0], grid)  # checked: the SubM layers after it read nothing
-        # valid by construction for a SubM layer over these n rows (n in, n out, not inverse)
-        CHECKED_PAIRS.put(pairs, num, n, n, False, (None, counts, False))
-        out_indices = indices.clone()
+        # valid by construction for a SubM layer over these n rows (n in, n out, not inverse);
+        # the counts stay on the device (the per-offset path reads them once if it runs)
+        CHECKED_PAIRS.put(pairs, num, n, n, False, (None, None, False))
         VALID_SITES.add(out_indices, grid)
         rulebook = RuleBook(out_indices, pairs, num)
         SUBM_RULEBOOKS.put(args[0], layer, rulebook)
         return rulebook
+    dev = indices.device
+    header = torch.zeros(4, dtype=torch.int32, device=dev)
+    ws = _workspace(int(native.function("sparse_rulebook_workspace_ints")(K, n)), torch.int32, dev)
     if not VALID_SITES.holds(args[0], grid):
         insert_table(indices, info["batch_size"], info["spatial"], header, st)  # for its flags
     out_grid = (info["batch_size"], tuple(info["out_shape"]))

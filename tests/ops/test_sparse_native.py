@@ -860,6 +860,27 @@ def test_subm_rule_book_over_a_rule_books_sites_does_not_synchronise(first):
 
 
 @pytest.mark.gpu
+def test_subm_rule_book_over_fresh_sites_reads_its_flags_inside_its_one_entry_point():
+    """Fresh sites: the flags are read back inside sparse_rulebook_subm (its pinned read-back,
+    no torch synchronisation), the rule book equals the reference, and a bad site still raises
+    the reference's error through the same entry point."""
+    idx, batch = lidar_indices(keep=4000)
+    fresh = idx.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a torch synchronisation (tolist, item) raises
+    try:
+        got = _rulebook(fresh, batch, "subm k3", "native")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(got, _rulebook(fresh, batch, "subm k3", "reference")):
+        assert torch.equal(a, b)
+    outside = idx.clone()
+    outside[7, 2] = SPARSE_SHAPE[1]
+    with pytest.raises(ValueError, match="outside"):
+        _rulebook(outside, batch, "subm k3", "native")
+
+
+@pytest.mark.gpu
 def test_rule_book_sites_modified_in_place_are_checked_again():
     """Writing a duplicate site into a rule book's output indices makes them unknown again: the
     next SubM rule book reads its flags and raises the reference's duplicate error."""

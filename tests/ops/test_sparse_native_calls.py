@@ -80,8 +80,10 @@ def test_rulebook_stages_pass_arguments_the_library_accepts(calls, library, case
     ws = torch.zeros(int(library["sparse_rulebook_workspace_ints"](K, n)), dtype=torch.int32)
     header = torch.zeros(4, dtype=torch.int32)
     c = _opdef.Checked(idx.device, torch.int32, None, info, "indices")
-    with pytest.raises(ReachedRuntime):  # the op's first launch: the input table
+    with pytest.raises(ReachedRuntime):  # the op's first launch: SubM's one entry / the table
         _sparse_native.rulebook_native(c, *args)
+    with pytest.raises(ReachedRuntime):
+        _sparse_native.rulebook_subm(idx, info, True, 0)
     with pytest.raises(ReachedRuntime):
         _sparse_native.insert_table(idx, 2, shape, header, 0)
     cap = _sparse_native.table_capacity(n)
@@ -89,7 +91,8 @@ def test_rulebook_stages_pass_arguments_the_library_accepts(calls, library, case
     mode = 0 if subm else 2 if transposed else 1
     with pytest.raises(ReachedRuntime):
         _sparse_native.rulebook_pairs(idx, table, ws, info, mode, n, 0)
-    want = ["sparse_hash_insert"] * 2 + ["sparse_rulebook_forward"]
+    first = "sparse_rulebook_subm" if subm else "sparse_hash_insert"
+    want = [first, "sparse_rulebook_subm", "sparse_hash_insert", "sparse_rulebook_forward"]
     if not subm:
         with pytest.raises(ReachedRuntime):
             _sparse_native.rulebook_candidates(idx, info, 0)
@@ -245,6 +248,7 @@ def _base_cases(lib):
     n, K, C, P, m = 6, 27, 8, 6, 5
     idx = np.zeros((n, 4), i32)
     ws = np.zeros(int(lib["sparse_rulebook_workspace_ints"](K, n)), i32)
+    subm_ws = np.zeros(int(lib["sparse_rulebook_subm_workspace_ints"](K, n)), i32)
     cap = 16
     tk, tv, header = np.zeros(cap, i64), np.zeros(cap, i32), np.zeros(4, i32)
     geo = [_shape(9, 9, 9), _shape(5, 5, 5), _shape(3, 3, 3), _shape(2, 2, 2), _shape(1, 1, 1),
@@ -265,6 +269,23 @@ def _base_cases(lib):
         "sparse_rulebook_unique": (
             [np.zeros(K * n, i64), np.zeros(K * n, i64), ws, header, 0],
             ["sorted_keys", "uniq", "workspace", "header"],
+        ),
+        "sparse_rulebook_subm": (
+            [
+                idx,
+                subm_ws,
+                np.zeros((K, 2, n), i32),
+                num,
+                idx.copy(),
+                2,
+                _shape(9, 9, 9),
+                _shape(3, 3, 3),
+                _shape(1, 1, 1),
+                _shape(1, 1, 1),
+                True,
+                0,
+            ],
+            ["indices", "workspace", "pairs", "pair_num", "out_indices"],
         ),
         "sparse_rulebook_forward": (
             [idx, tk, tv, ws, np.zeros((K, 2, n), i32), num, 2, *geo, 1, 5, 0],
@@ -441,6 +462,17 @@ def test_scalar_arguments_out_of_range_are_value_errors(library):
     with pytest.raises(ValueError):
         library["sparse_rulebook_workspace_ints"](27, 2**31 // 27 + 1)
     assert int(library["sparse_rulebook_workspace_ints"](27, 0)) >= 4
+    assert with_arg("sparse_rulebook_subm", 5, 0)[0] == "ValueError"  # batch_size
+    assert with_arg("sparse_rulebook_subm", 7, _shape(64, 64, 2))[0] == "ValueError"  # K > 4096
+    assert with_arg("sparse_rulebook_subm", 6, _shape(9, 9))[0] == "ValueError"  # ndim
+    # the workspace (int32): the table (16 slots for n = 6: int64 keys, int32 vals), the header
+    # [4], the pairs' out_row [K n] | tile counts [K] | tile prefixes [K], each rounded up to 4
+    pairs_ws = 164 + 28 + 28  # 27 * 6 = 162 -> 164; 27 -> 28
+    assert int(library["sparse_rulebook_subm_workspace_ints"](27, 6)) == 3 * 16 + 4 + pairs_ws
+    with pytest.raises(ValueError):
+        library["sparse_rulebook_subm_workspace_ints"](4097, 10)
+    with pytest.raises(ValueError):
+        library["sparse_rulebook_subm_workspace_ints"](27, 2**31 // 27 + 1)
 
 
 def test_limits_are_build_facts(library):
