@@ -40,7 +40,7 @@ class RuleBook(NamedTuple):
     indice_pair_num: torch.Tensor
 
 
-ENTRY_POINTS = ("sparse_rulebook_forward",)
+ENTRY_POINTS = ("sparse_rulebook_subm", "sparse_rulebook_forward")
 
 
 def _parse(indices, *geometry):
