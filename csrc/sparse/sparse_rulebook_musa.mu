@@ -4,8 +4,10 @@
 //
 // Entry points (mu_space/ops/_sparse_native.py runs them in this order, on the caller's stream):
 //   sparse_rulebook_subm       a SubM rule book in one call: the input table, the pairs (the
-//                              kernels of sparse_rulebook_forward mode 0), out_indices = a copy
-//                              of indices, and (when asked) the flags read back and returned
+//                              kernels of sparse_rulebook_forward mode 0, or where the offsets
+//                              come in mirror pairs the lookups of half of them, each pair also
+//                              written for its mirror), out_indices = a copy of indices, and
+//                              (when asked) the flags read back and returned
 // strided / transposed:
 //   sparse_hash_insert         the table of the input keys (rows -> keys, checked against
 //                              [0, batch) x [0, spatial_shape): header[kBad]; a repeated key
@@ -18,7 +20,7 @@
 //   sparse_rulebook_forward    the pairs: per (k, j) the reached key looked up in the table (SubM:
 //                              the input table, else the output table) -> output row or -1, and
 //                              a stable compaction per offset (pairs stay in ascending input
-//                              row) over tiles of 4096 inputs: the lookups count each tile's
+//                              row) over tiles of 2048 inputs: the lookups count each tile's
 //                              pairs, a block per offset scans its tiles' counts (-> the K
 //                              counts), and each tile emits its pairs at its prefix plus a block
 //                              scan and writes the -1 padding of its positions past the count
@@ -79,11 +81,17 @@ int blocks_for(int64_t n, int device_id) { return grid_for(n, kBlock, device_id,
 
 // ------------------------------------------------------------------------------ kernels
 
-// copy (may be null): each row is also copied there (sparse_rulebook_subm's out_indices)
+// copy (may be null): each row is also copied there (sparse_rulebook_subm's out_indices).
+// minus_one [minus_one_count] is set to -1 and zero [zero_count] to 0 (sparse_rulebook_subm's
+// mirror offsets: their out_row and tile counts, which the lookups fill in by scatter).
 __global__ void __launch_bounds__(kBlock)
     insert_rows_kernel(const int* __restrict__ indices, int n, int ndim, Geometry g,
                        int64_t* __restrict__ keys, int* __restrict__ vals, uint64_t mask,
-                       int* __restrict__ header, int* __restrict__ copy) {
+                       int* __restrict__ header, int* __restrict__ copy,
+                       int* __restrict__ minus_one, int64_t minus_one_count, int* __restrict__ zero,
+                       int64_t zero_count) {
+  for (int64_t e = global_thread(); e < minus_one_count; e += global_threads()) minus_one[e] = -1;
+  for (int64_t e = global_thread(); e < zero_count; e += global_threads()) zero[e] = 0;
   for (int64_t i = global_thread(); i < n; i += global_threads()) {
     const int* row = indices + i * (ndim + 1);
     if (copy != nullptr) {
@@ -172,8 +180,9 @@ struct BitmapLookup {
   }
 };
 
-// The pairs' compaction: offset k's inputs in tiles of kPairTile; block b = k * tiles + t.
-constexpr int kPairItems = 16;
+// The pairs' compaction: offset k's inputs in tiles of kPairTile; block b = k * tiles + t. The
+// emit stages a tile's pairs in shared memory (2 x 8 KB: MUSA's static budget is < 28 KB).
+constexpr int kPairItems = 8;
 constexpr int kPairTile = kBlock * kPairItems;
 
 // Per (k, j) of the block's tile: the output row (-1: none) into out_row[k N + j] and the
@@ -202,6 +211,78 @@ __global__ void __launch_bounds__(kBlock)
   if (threadIdx.x == 0) tile_count[b] = total;
 }
 
+// SubM whose reach is symmetric (2 pad = (ksize - 1) dil on every axis): offsets k and
+// K - 1 - k are mirrors, and over distinct sites input j reaches row i through k exactly when i
+// reaches j through K - 1 - k. So only the offsets k < K - 1 - k look up (half the lookups):
+// each pair (j -> i) found is also written as out_row[K - 1 - k][i] = j (that slot prefilled
+// with -1, by sparse_rulebook_subm's insert) and counted in the mirror's tile of i (a block's
+// counts gathered in shared memory, then one atomicAdd per tile into the zeroed tile_count).
+// The centre offset (k = K - 1 - k, a zero reach) pairs every row inside the grid with itself.
+// Grid: the offsets k <= K - 1 - k x tiles (tiles <= kMaxMirrorTiles). Repeated sites break the
+// one-to-one map: then the rows may differ from the full lookup's, all indices stay in bounds,
+// and the caller discards the result (the insert flagged them).
+constexpr int kMaxMirrorTiles = 4096;
+
+template <typename Lookup>
+__global__ void __launch_bounds__(kBlock)
+    mirror_pair_lookup_kernel(const int* __restrict__ indices, int n, int tiles, int k_volume,
+                              Geometry g, Lookup lookup, int* __restrict__ out_row,
+                              int* __restrict__ tile_count) {
+  __shared__ int s[kBlock];
+  __shared__ int mirror_count[kMaxMirrorTiles];
+  const int64_t b = blockIdx.x;
+  const int64_t k = b / tiles;
+  const int64_t mirror = k_volume - 1 - k;
+  const int64_t j0 = (b - k * tiles) * kPairTile + threadIdx.x;
+  const OffsetReach reach = offset_reach(g, k);
+  int mine = 0;
+  if (k == mirror) {
+#pragma unroll 4
+    for (int i = 0; i < kPairItems; ++i) {
+      const int64_t j = j0 + static_cast<int64_t>(i) * kBlock;
+      if (j >= n) break;
+      const bool inside = reached_key_at(g, reach, indices + j * (g.ndim + 1)) >= 0;
+      out_row[k * n + j] = inside ? static_cast<int>(j) : -1;
+      mine += inside ? 1 : 0;
+    }
+  } else {
+    for (int t = threadIdx.x; t < tiles; t += kBlock) mirror_count[t] = 0;
+    __syncthreads();
+    int* mirror_row = out_row + mirror * n;
+    // a thread's pairs mostly land in one mirror tile (its inputs' neighbours): counted in a
+    // run per tile, one shared atomic per run instead of per pair
+    int run_tile = -1;
+    int run = 0;
+#pragma unroll 4
+    for (int i = 0; i < kPairItems; ++i) {
+      const int64_t j = j0 + static_cast<int64_t>(i) * kBlock;
+      if (j >= n) break;
+      const int64_t key = reached_key_at(g, reach, indices + j * (g.ndim + 1));
+      int row = key >= 0 ? lookup(key) : -1;
+      if (row >= n) row = -1;  // a row the table cannot hold (bad input): no pair
+      out_row[k * n + j] = row;
+      if (row >= 0) {
+        mirror_row[row] = static_cast<int>(j);
+        const int tile = row / kPairTile;
+        if (tile != run_tile) {
+          if (run != 0) atomicAdd(mirror_count + run_tile, run);
+          run_tile = tile;
+          run = 0;
+        }
+        ++run;
+        ++mine;
+      }
+    }
+    if (run != 0) atomicAdd(mirror_count + run_tile, run);
+    __syncthreads();
+    for (int t = threadIdx.x; t < tiles; t += kBlock) {
+      if (mirror_count[t] != 0) atomicAdd(tile_count + mirror * tiles + t, mirror_count[t]);
+    }
+  }
+  const int total = scan::block_sum(mine, s);
+  if (threadIdx.x == 0) tile_count[b] = total;
+}
+
 // A block per offset k: tile_prefix[k * tiles + t] = the pairs of k's tiles before t, num[k]
 // = k's pairs.
 __global__ void __launch_bounds__(kBlock)
@@ -222,14 +303,19 @@ __global__ void __launch_bounds__(kBlock)
 }
 
 // The block's tile of offset k: its pairs at slot tile_prefix[b] + (pairs before them in the
-// tile: a block scan over runs of kPairItems consecutive inputs per thread), then -1 at the
-// tile's positions j >= num[k] (pairs [K, 2, N]: every position written once, by the emit or
-// here, so no fill beforehand).
+// tile: a block scan over runs of kPairItems consecutive inputs per thread), staged in shared
+// memory in that order and then written out by consecutive threads (coalesced: writing them
+// from the thread that found them, each thread a different run of slots, took 33.7 us at
+// CenterPoint's 118561 rows x 27 offsets on the H200, 2026-12-04), then -1 at the tile's
+// positions j >= num[k] (pairs [K, 2, N]: every position written once, by the emit or here, so
+// no fill beforehand).
 __global__ void __launch_bounds__(kBlock)
     pair_emit_kernel(int n, int tiles, const int* __restrict__ out_row,
                      const int* __restrict__ tile_prefix, const int* __restrict__ num,
                      int* __restrict__ pairs) {
   __shared__ int s[kBlock];
+  __shared__ int staged_in[kPairTile];
+  __shared__ int staged_out[kPairTile];
   const int64_t b = blockIdx.x;
   const int64_t k = b / tiles;
   const int64_t tile0 = (b - k * tiles) * kPairTile;
@@ -243,17 +329,24 @@ __global__ void __launch_bounds__(kBlock)
     mine += row[i] >= 0 ? 1 : 0;
   }
   int total = 0;
-  int slot = tile_prefix[b] + scan::block_exclusive_scan(mine, s, total);
-  int* in_side = pairs + 2 * k * n;
-  int* out_side = in_side + n;
+  int local = scan::block_exclusive_scan(mine, s, total);
 #pragma unroll
   for (int i = 0; i < kPairItems; ++i) {
     if (row[i] < 0) continue;
+    staged_in[local] = static_cast<int>(j0 + i);
+    staged_out[local] = row[i];
+    ++local;
+  }
+  __syncthreads();
+  int* in_side = pairs + 2 * k * n;
+  int* out_side = in_side + n;
+  const int base = tile_prefix[b];
+  for (int e = threadIdx.x; e < total; e += kBlock) {
+    const int64_t slot = static_cast<int64_t>(base) + e;
     if (slot >= 0 && slot < n) {
-      in_side[slot] = static_cast<int>(j0 + i);
-      out_side[slot] = row[i];
+      in_side[slot] = staged_in[e];
+      out_side[slot] = staged_out[e];
     }
-    ++slot;
   }
   const int count = num[k];
 #pragma unroll 4
@@ -545,7 +638,7 @@ void hash_insert_entry(TensorView source, TensorView table_keys, TensorView tabl
   if (rows) {
     insert_rows_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
         data_of<const int>(source), static_cast<int>(n), g.ndim, g, data_of<int64_t>(table_keys),
-        data_of<int>(table_vals), mask, data_of<int>(header), nullptr);
+        data_of<int>(table_vals), mask, data_of<int>(header), nullptr, nullptr, 0, nullptr, 0);
     check_launch("sparse_hash_insert insert_rows_kernel");
   } else {
     insert_keys_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
@@ -671,6 +764,20 @@ Geometry check_forward(const TensorView& indices, const TensorView& workspace,
   return g;
 }
 
+// The scan of each offset's tile counts (-> pair_num) and the emit with the -1 padding, after
+// the lookups wrote out_row and tile_count (l: the pair workspace at ws).
+void launch_scan_emit(const PairLayout& l, int64_t k_volume, int64_t n, int* ws,
+                      const TensorView& pairs, const TensorView& pair_num, gpuStream_t st,
+                      const char* what) {
+  pair_tile_scan_kernel<<<static_cast<unsigned>(k_volume), kBlock, 0, st>>>(
+      l.tiles, ws + l.tile_count, ws + l.tile_prefix, data_of<int>(pair_num));
+  check_launch(what);
+  pair_emit_kernel<<<static_cast<unsigned>(k_volume * l.tiles), kBlock, 0, st>>>(
+      static_cast<int>(n), l.tiles, ws + l.out_row, ws + l.tile_prefix,
+      data_of<const int>(pair_num), data_of<int>(pairs));
+  check_launch(what);
+}
+
 // Per (k, j) the reached key's output row (`lookup`, rows >= n_rows dropped), the exclusive scan
 // of the flags, the -1 fill, the emit and the K counts. pairs and pair_num are written in full.
 template <typename Lookup>
@@ -689,13 +796,7 @@ void launch_pairs(const TensorView& indices, const Geometry& g, Lookup lookup, i
       data_of<const int>(indices), static_cast<int>(n), l.tiles, g, lookup,
       static_cast<int>(n_rows), ws + l.out_row, ws + l.tile_count);
   check_launch(what);
-  pair_tile_scan_kernel<<<static_cast<unsigned>(k_volume), kBlock, 0, st>>>(
-      l.tiles, ws + l.tile_count, ws + l.tile_prefix, data_of<int>(pair_num));
-  check_launch(what);
-  pair_emit_kernel<<<static_cast<unsigned>(blocks), kBlock, 0, st>>>(
-      static_cast<int>(n), l.tiles, ws + l.out_row, ws + l.tile_prefix,
-      data_of<const int>(pair_num), data_of<int>(pairs));
-  check_launch(what);
+  launch_scan_emit(l, k_volume, n, ws, pairs, pair_num, st, what);
 }
 
 // mode 0 SubM (table = the input keys, n_rows = N), 1 strided, 2 transposed (table = the output
@@ -745,16 +846,30 @@ int64_t subm_workspace_ints(int64_t k_volume, int64_t n) {
   return subm_layout(k_volume, n).ints;
 }
 
+// Whether a SubM geometry's offsets come in mirror pairs (2 pad = (ksize - 1) dil on every
+// axis: the reach of offset K - 1 - k is minus that of k), so mirror_pair_lookup_kernel can
+// serve it over n rows.
+bool mirrored(const Geometry& g, int64_t n) {
+  for (int a = 0; a < g.ndim; ++a) {
+    if (2 * g.pad[a] != (g.ksize[a] - 1) * g.dil[a]) return false;
+  }
+  return (n + kPairTile - 1) / kPairTile <= kMaxMirrorTiles;
+}
+
 // A SubM rule book in one call (the host time of one entry instead of an insert, a forward and
 // the torch ops between them; H200, 2026-12-03: 190 us of host time per SubM rule book, 42 us
 // of it in the two entries): the table of the input keys, the pairs (mode 0), out_indices = a
 // copy of indices (written by the insert). With read_flags the header is read back right after
 // the insert and waited for once the pairs' kernels are queued (readback.muh), and the flags
 // are returned: bit 0 a row outside [0, batch) x [0, spatial_shape), bit 1 a repeated site,
-// bit 2 a full table (impossible at capacity >= 2 n); without, -1 and no wait.
+// bit 2 a full table (impossible at capacity >= 2 n); without, -1 and no wait. With use_mirror
+// and a mirrored geometry the lookups are mirror_pair_lookup_kernel's (half of them); the
+// result is the same for distinct sites inside the grid, and unspecified (in bounds) where the
+// flags are set, which the caller answers with the reference.
 int64_t subm_entry(TensorView indices, TensorView workspace, TensorView pairs, TensorView pair_num,
                    TensorView out_indices, int64_t batch_size, Shape spatial, Shape ksize,
-                   Shape padding, Shape dilation, bool read_flags, int64_t stream) {
+                   Shape padding, Shape dilation, bool read_flags, bool use_mirror,
+                   int64_t stream) {
   const int ndim = check_indices(indices);
   Geometry g{};
   g.ndim = ndim;
@@ -798,10 +913,17 @@ int64_t subm_entry(TensorView indices, TensorView workspace, TensorView pairs, T
               "sparse_rulebook_subm (vals)");
   launch_zero(header, kHeaderInts * 4, device_id, st, "sparse_rulebook_subm (header)");
   const uint64_t mask = static_cast<uint64_t>(l.capacity - 1);
+  const bool mirror = use_mirror && n > 0 && mirrored(g, n);
+  const PairLayout pl = pair_layout(k_volume, n);
+  int* pws = ws + l.pairs;
+  // the mirror offsets K - 1 - k > k: out_row rows and tile counts prefilled by the insert
+  const int64_t first_mirror = (k_volume + 1) / 2;
   if (n > 0) {
     insert_rows_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
         data_of<const int>(indices), static_cast<int>(n), ndim, g, keys, vals, mask, header,
-        data_of<int>(out_indices));
+        data_of<int>(out_indices), pws + pl.out_row + first_mirror * n,
+        mirror ? (k_volume - first_mirror) * n : 0, pws + pl.tile_count + first_mirror * pl.tiles,
+        mirror ? (k_volume - first_mirror) * pl.tiles : 0);
     check_launch("sparse_rulebook_subm insert_rows_kernel");
   }
   Readback read{};
@@ -809,8 +931,16 @@ int64_t subm_entry(TensorView indices, TensorView workspace, TensorView pairs, T
     read = start_readback(reinterpret_cast<const int64_t*>(header), kHeaderInts / 2, device_id, st);
   }
   const TableLookup lookup{keys, vals, mask};
-  launch_pairs(indices, g, lookup, n, ws + l.pairs, pairs, pair_num, device_id, st,
-               "sparse_rulebook_subm");
+  if (mirror) {
+    mirror_pair_lookup_kernel<<<static_cast<unsigned>(first_mirror * pl.tiles), kBlock, 0, st>>>(
+        data_of<const int>(indices), static_cast<int>(n), pl.tiles, static_cast<int>(k_volume), g,
+        lookup, pws + pl.out_row, pws + pl.tile_count);
+    check_launch("sparse_rulebook_subm mirror_pair_lookup_kernel");
+    launch_scan_emit(pl, k_volume, n, pws, pairs, pair_num, st, "sparse_rulebook_subm");
+  } else {
+    launch_pairs(indices, g, lookup, n, pws, pairs, pair_num, device_id, st,
+                 "sparse_rulebook_subm");
+  }
   if (!read_flags) return -1;
   const int* h = reinterpret_cast<const int*>(finish_readback(read));
   return (h[kBad] != 0 ? 1 : 0) | (h[kDup] != 0 ? 2 : 0) | (h[kFull] != 0 ? 4 : 0);

@@ -13,8 +13,11 @@ Rule book (`rulebook_native`), the reference's layout and order element by eleme
   2. the pairs (`sparse_rulebook_forward`'s mode 0 kernels): for every (offset k, input j) the
      reached site looked up in the input table -> output row or -1; the pairs of offset k are
      the found j in ascending order, then -1, and the K counts (three launches: lookups with a
-     count per tile of 4096 inputs, a scan of each offset's tile counts, the emit at tile
-     prefix + in-tile rank with the -1 padding);
+     count per tile of 2048 inputs, a scan of each offset's tile counts, the emit at tile
+     prefix + in-tile rank with the -1 padding). Where the offsets come in mirror pairs
+     (2 padding = (kernel_size - 1) dilation on every axis: every spconv / mmcv SubM layer),
+     only offsets k < K - 1 - k are looked up, each pair (j -> i) also written as (i -> j) of
+     offset K - 1 - k, the centre pairing every row with itself (SUBM_MIRROR);
   3. one host synchronisation: the header (flags), read back after the insert and waited for
      once the pairs' kernels are queued -> the reference's error when a flag is set; none where
      the indices are a native rule book's output sites for this grid (VALID_SITES).
@@ -183,6 +186,10 @@ ROW_ORDER_UNVERIFIED = ""
 # candidate. MUSPACE_SPARSE_RULEBOOK_BITMAP=0 takes the sort path everywhere (A/B timing).
 BITMAP_CELLS_PER_CANDIDATE = 64
 BITMAP_ENABLED = os.environ.get("MUSPACE_SPARSE_RULEBOOK_BITMAP", "1") != "0"
+# SubM rule books of mirrored offsets look up half of them (sparse_rulebook_subm's use_mirror;
+# the same rule book: tests/ops/test_sparse_native.py). MUSPACE_SPARSE_RULEBOOK_MIRROR=0 looks
+# up every offset (A/B timing).
+SUBM_MIRROR = os.environ.get("MUSPACE_SPARSE_RULEBOOK_MIRROR", "1") != "0"
 
 # header of sparse_hash_insert / sparse_rulebook_unique / sparse_rulebook_mark
 _BAD, _DUP, _COUNT, _FULL = range(4)
@@ -278,7 +285,7 @@ def rulebook_subm(indices, info, read_flags: bool, st):
     spatial, _, ksize, _, padding, dilation = _geometry(info)
     flags = native.function("sparse_rulebook_subm")(
         indices, ws, pairs, num, out_indices, info["batch_size"], spatial, ksize, padding,
-        dilation, read_flags, st,
+        dilation, read_flags, SUBM_MIRROR, st,
     )  # fmt: skip
     return pairs, num, out_indices, int(flags)
 

@@ -130,6 +130,42 @@ def test_rulebook_of_small_odd_grids_equals_the_reference(rulebook_path, batch):
     assert rulebook_path == [rulebook_path.path] * 3  # the three strided / transposed layers
 
 
+# SubM geometries (kernel_size, padding, dilation): mirrored ones (2 padding = (kernel_size - 1)
+# dilation on every axis) take sparse_rulebook_subm's mirror lookups by default, the others
+# look up every offset
+SUBM_GEOMETRIES = {
+    "k3 (mirrored)": ([3] * 3, [1] * 3, [1] * 3),
+    "k3 dilation 2 (mirrored)": ([3] * 3, [2] * 3, [2] * 3),
+    "k5 (mirrored)": ([5] * 3, [2] * 3, [1] * 3),
+    "k2 dilation 2 pad 1 (mirrored, no centre)": ([2] * 3, [1] * 3, [2] * 3),
+    "(3, 1, 5) pad (1, 0, 2) (mirrored)": ([3, 1, 5], [1, 0, 2], [1] * 3),
+    "k3 pad 0 (not mirrored)": ([3] * 3, [0] * 3, [1] * 3),
+    "k3 pad (1, 1, 0) (not mirrored)": ([3] * 3, [1, 1, 0], [1] * 3),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mirror", [True, False], ids=["mirror", "every-offset"])
+@pytest.mark.parametrize("geometry", list(SUBM_GEOMETRIES))
+def test_subm_rulebook_with_and_without_mirror_lookups_equals_the_reference(
+    monkeypatch, geometry, mirror
+):
+    """12000 sites (6 tiles of 2048 inputs, the last one partial) in voxel order and shuffled (a
+    tile's mirrored pairs then land in every tile): pairs, counts and sites equal the
+    reference's element by element, outputs poisoned."""
+    monkeypatch.setattr(_sparse_native, "SUBM_MIRROR", mirror)
+    ksize, padding, dilation = SUBM_GEOMETRIES[geometry]
+    idx, batch = lidar_indices(keep=6000)
+    perm = torch.randperm(len(idx), generator=torch.Generator().manual_seed(3)).to(idx.device)
+    for sites in (idx, idx[perm].contiguous()):
+        args = (batch, SPARSE_SHAPE, ksize, [1] * 3, padding, dilation, [0] * 3, True, False)
+        want = sparse_rulebook(sites, *args, backend="reference")
+        with _opdef.poisoned_outputs():
+            got = sparse_rulebook(sites.clone(), *args, backend="native")
+        for name, g, w in zip(("out_indices", "indice_pairs", "indice_pair_num"), got, want):
+            assert g.shape == w.shape and torch.equal(g, w), f"{geometry}: {name} differs"
+
+
 @pytest.mark.gpu
 def test_rulebook_order_of_the_input_rows_only_permutes_subm():
     idx, batch = lidar_indices(keep=5000)

@@ -283,6 +283,7 @@ def _base_cases(lib):
                 _shape(1, 1, 1),
                 _shape(1, 1, 1),
                 True,
+                True,
                 0,
             ],
             ["indices", "workspace", "pairs", "pair_num", "out_indices"],

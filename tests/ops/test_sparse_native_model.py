@@ -8,8 +8,9 @@ Modelled step by step as the kernels do it:
   the row merged by atomicMin (so the FIRST row of a repeated key wins in any thread order; the
   model inserts in several random orders), lookup until the key or an empty slot;
 - reached_key (C semantics: truncating division and remainder);
-- the rule-book pipeline of _sparse_native.rulebook_native: SubM lookups in the input table;
-  strided / transposed candidates, torch.sort, run starts + exclusive scan -> unique keys, the
+- the rule-book pipeline of _sparse_native.rulebook_native: SubM lookups in the input table
+  (all offsets, or where they come in mirror pairs half of them, each pair also written for its
+  mirror, the centre pairing every row with itself); strided / transposed candidates, torch.sort, run starts + exclusive scan -> unique keys, the
   output table, lookups; the per-offset stable compaction over tiles of inputs (tile counts, a scan per offset, in-tile ranks, the -1 tails); the
   decode; and the bitmap path of the strided /
   transposed rule book (sparse_rulebook_mark: bits in uint32 words set by atomicOr, popcounts,
@@ -187,7 +188,7 @@ def exclusive_scan(flags: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(flags)[:-1])).astype(np.int64)
 
 
-PAIR_TILE = 4096  # kPairTile of sparse_rulebook_musa.mu: 256 threads x 16 inputs
+PAIR_TILE = 2048  # kPairTile of sparse_rulebook_musa.mu: 256 threads x 8 inputs
 
 
 def compact(out_row: np.ndarray, K: int, n: int, tile: int = PAIR_TILE):
@@ -213,6 +214,35 @@ def compact(out_row: np.ndarray, K: int, n: int, tile: int = PAIR_TILE):
             pairs[k, :, tail] = -1
     assert not (pairs == -7).any()
     return pairs, num
+
+
+def mirrored(info) -> bool:
+    """sparse_rulebook_subm's `mirrored`: 2 padding = (kernel_size - 1) dilation on every axis."""
+    return all(
+        2 * p == (k - 1) * d
+        for k, p, d in zip(info["ksize"], info["padding"], info["dilation"], strict=True)
+    )
+
+
+def model_mirror_out_row(table, reached: np.ndarray, K: int, n: int) -> np.ndarray:
+    """mirror_pair_lookup_kernel: offsets k < K - 1 - k looked up, each pair (j -> i) also written
+    as out_row[K - 1 - k][i] = j (prefilled -1), the centre offset pairing every row inside the
+    grid with itself; the mirror offsets are never looked up."""
+    out_row = np.full((K, n), -1, dtype=np.int64)
+    j = np.arange(n)
+    for k in range(K):
+        mirror = K - 1 - k
+        if k > mirror:
+            continue
+        if k == mirror:
+            out_row[k] = np.where(reached[k] >= 0, j, -1)
+            continue
+        rows = table.lookup(reached[k])
+        out_row[k] = rows
+        hit = rows >= 0
+        assert len(np.unique(rows[hit])) == hit.sum()  # one writer per mirror slot
+        out_row[mirror, rows[hit]] = j[hit]
+    return out_row
 
 
 def model_bitmap(reached: np.ndarray, info):
@@ -244,7 +274,7 @@ def model_bitmap(reached: np.ndarray, info):
     return out_row, keys
 
 
-def model_rulebook(args, seed=0, bitmap=False, tile=PAIR_TILE):
+def model_rulebook(args, seed=0, bitmap=False, tile=PAIR_TILE, mirror=False):
     from mu_space.ops.sparse_rulebook import _parse
 
     info = _parse(*args)
@@ -256,7 +286,11 @@ def model_rulebook(args, seed=0, bitmap=False, tile=PAIR_TILE):
     assert not flags["duplicate"] and not flags["full"]
     reached = reached_keys(indices, info)
     if info["subm"]:
-        pairs, num = compact(table.lookup(reached), K, n, tile)
+        if mirror and mirrored(info):
+            out_row = model_mirror_out_row(table, reached, K, n)
+        else:
+            out_row = table.lookup(reached)
+        pairs, num = compact(out_row, K, n, tile)
         out_indices = indices.copy()
     elif bitmap:
         out_row, uniq = model_bitmap(reached, info)
@@ -281,6 +315,9 @@ CASES = {
     "subm k3": (3, 1, 1, 1, 0, True, False),
     "subm k3 dilation 2": (3, 1, 2, 2, 0, True, False),
     "subm k5 pad 2": (5, 1, 2, 1, 0, True, False),
+    "subm k3 pad 0 (not mirrored)": (3, 1, 0, 1, 0, True, False),
+    "subm k2 dilation 2 pad 1 (mirrored, no centre)": (2, 1, 1, 2, 0, True, False),
+    "subm (3, 1, 5)": ([3, 1, 5], 1, [1, 0, 2], 1, 0, True, False),
     "strided k3 s2 p1": (3, 2, 1, 1, 0, False, False),
     "strided k2 s2": (2, 2, 0, 1, 0, False, False),
     "second (3, 1, 1) s (2, 1, 1)": ([3, 1, 1], [2, 1, 1], 0, 1, 0, False, False),
@@ -305,11 +342,18 @@ def test_model_rule_book_equals_the_reference(case, shuffle):
             subm, transposed)  # fmt: skip
     want = sparse_rulebook_reference(*args)
     # two thread orders of the inserts; the bitmap (strided / transposed only); tiles of 7 inputs
-    # (the tiny frame fits one tile of 4096: the tiling's prefixes and tails checked too)
-    for seed, bitmap, tile in ((0, False, PAIR_TILE), (1, False, 7), (0, True, PAIR_TILE)):
+    # (the tiny frame fits one tile of 2048: the tiling's prefixes and tails checked too); SubM
+    # with and without the mirror lookups
+    for seed, bitmap, tile, mirror in (
+        (0, False, PAIR_TILE, False),
+        (1, False, 7, False),
+        (0, True, PAIR_TILE, False),
+        (2, False, PAIR_TILE, True),
+        (3, False, 7, True),
+    ):
         if bitmap and subm:
             continue  # the bitmap is the strided / transposed output-site path
-        out_indices, pairs, num = model_rulebook(args, seed, bitmap, tile)
+        out_indices, pairs, num = model_rulebook(args, seed, bitmap, tile, mirror)
         assert np.array_equal(out_indices, want.out_indices.numpy())
         assert np.array_equal(pairs, want.indice_pairs.numpy())
         assert np.array_equal(num, want.indice_pair_num.numpy())
