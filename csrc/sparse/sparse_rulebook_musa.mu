@@ -7,7 +7,9 @@
 //                              kernels of sparse_rulebook_forward mode 0, or where the offsets
 //                              come in mirror pairs the lookups of half of them, each pair also
 //                              written for its mirror), out_indices = a copy of indices, and
-//                              (when asked) the flags read back and returned
+//                              (when asked) the flags read back and returned; its table can be
+//                              a PackedTable (key and row in one 64-bit slot) over grids of
+//                              fewer than 2^31 cells (use_packed)
 // strided / transposed:
 //   sparse_hash_insert         the table of the input keys (rows -> keys, checked against
 //                              [0, batch) x [0, spatial_shape): header[kBad]; a repeated key
@@ -81,12 +83,13 @@ int blocks_for(int64_t n, int device_id) { return grid_for(n, kBlock, device_id,
 
 // ------------------------------------------------------------------------------ kernels
 
-// copy (may be null): each row is also copied there (sparse_rulebook_subm's out_indices).
-// minus_one [minus_one_count] is set to -1 and zero [zero_count] to 0 (sparse_rulebook_subm's
-// mirror offsets: their out_row and tile counts, which the lookups fill in by scatter).
+// Table: SplitTable or PackedTable (sparse_common.muh). copy (may be null): each row is also
+// copied there (sparse_rulebook_subm's out_indices). minus_one [minus_one_count] is set to -1
+// and zero [zero_count] to 0 (sparse_rulebook_subm's mirror offsets: their out_row and tile
+// counts, which the lookups fill in by scatter).
+template <typename Table>
 __global__ void __launch_bounds__(kBlock)
-    insert_rows_kernel(const int* __restrict__ indices, int n, int ndim, Geometry g,
-                       int64_t* __restrict__ keys, int* __restrict__ vals, uint64_t mask,
+    insert_rows_kernel(const int* __restrict__ indices, int n, int ndim, Geometry g, Table table,
                        int* __restrict__ header, int* __restrict__ copy,
                        int* __restrict__ minus_one, int64_t minus_one_count, int* __restrict__ zero,
                        int64_t zero_count) {
@@ -102,10 +105,20 @@ __global__ void __launch_bounds__(kBlock)
       atomicOr(header + kBad, 1);
       continue;
     }
-    const int r = hash_insert(keys, vals, mask, key, static_cast<int>(i));
+    const int r = table.insert(key, static_cast<int>(i));
     if (r == kDuplicate) atomicOr(header + kDup, 1);
     if (r == kTableFull) atomicOr(header + kFull, 1);
   }
+}
+
+// sparse_rulebook_subm's packed table: every slot free (all ones, 16 bytes a store: the slots
+// are 16-byte aligned and even in number) and the header zeroed, in one launch.
+__global__ void __launch_bounds__(kBlock)
+    init_packed_kernel(uint4* __restrict__ slot_pairs, int64_t count, int* __restrict__ header) {
+  for (int64_t e = global_thread(); e < count; e += global_threads()) {
+    slot_pairs[e] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+  if (global_thread() < kHeaderInts) header[global_thread()] = 0;
 }
 
 __global__ void __launch_bounds__(kBlock)
@@ -636,9 +649,10 @@ void hash_insert_entry(TensorView source, TensorView table_keys, TensorView tabl
   fill_table(table_keys, table_vals, device_id, st);
   if (n == 0) return;
   if (rows) {
+    const SplitTable table{data_of<int64_t>(table_keys), data_of<int>(table_vals), mask};
     insert_rows_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
-        data_of<const int>(source), static_cast<int>(n), g.ndim, g, data_of<int64_t>(table_keys),
-        data_of<int>(table_vals), mask, data_of<int>(header), nullptr, nullptr, 0, nullptr, 0);
+        data_of<const int>(source), static_cast<int>(n), g.ndim, g, table, data_of<int>(header),
+        nullptr, nullptr, 0, nullptr, 0);
     check_launch("sparse_hash_insert insert_rows_kernel");
   } else {
     insert_keys_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
@@ -820,8 +834,9 @@ void forward_entry(TensorView indices, TensorView table_keys, TensorView table_v
 
 // sparse_rulebook_subm's workspace (int32 offsets): the table's keys [C] int64 | its vals [C] |
 // the header [4] | the pairs' workspace, C = the power of two >= max(2, 2 n) of
-// _sparse_native.table_capacity. C is even, so the header's 16 bytes are 8-byte aligned (the
-// read-back copies them as two int64).
+// _sparse_native.table_capacity; over grids of fewer than 2^31 cells the keys region holds the
+// PackedTable's C 64-bit slots instead and vals is unused. C is even, so the header's 16 bytes
+// are 8-byte aligned (the read-back copies them as two int64).
 struct SubmLayout {
   int64_t capacity, vals, header, pairs, ints;
 };
@@ -865,10 +880,13 @@ bool mirrored(const Geometry& g, int64_t n) {
 // bit 2 a full table (impossible at capacity >= 2 n); without, -1 and no wait. With use_mirror
 // and a mirrored geometry the lookups are mirror_pair_lookup_kernel's (half of them); the
 // result is the same for distinct sites inside the grid, and unspecified (in bounds) where the
-// flags are set, which the caller answers with the reference.
+// flags are set, which the caller answers with the reference. With use_packed and a grid of
+// fewer than 2^31 cells the table is a PackedTable (one init launch instead of three fills, one
+// compare-and-swap per insert, key and row in one load), else the int64-key table; the same
+// rule book either way.
 int64_t subm_entry(TensorView indices, TensorView workspace, TensorView pairs, TensorView pair_num,
                    TensorView out_indices, int64_t batch_size, Shape spatial, Shape ksize,
-                   Shape padding, Shape dilation, bool read_flags, bool use_mirror,
+                   Shape padding, Shape dilation, bool read_flags, bool use_mirror, bool use_packed,
                    int64_t stream) {
   const int ndim = check_indices(indices);
   Geometry g{};
@@ -905,41 +923,62 @@ int64_t subm_entry(TensorView indices, TensorView workspace, TensorView pairs, T
   DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
   int* ws = data_of<int>(workspace);
-  int64_t* keys = reinterpret_cast<int64_t*>(ws);
-  int* vals = ws + l.vals;
   int* header = ws + l.header;
-  launch_fill(keys, l.capacity * 8, fill_word(-1), device_id, st, "sparse_rulebook_subm (keys)");
-  launch_fill(vals, l.capacity * 4, fill_word(kNoRow), device_id, st,
-              "sparse_rulebook_subm (vals)");
-  launch_zero(header, kHeaderInts * 4, device_id, st, "sparse_rulebook_subm (header)");
   const uint64_t mask = static_cast<uint64_t>(l.capacity - 1);
+  int64_t cells = g.batch;  // < 2^62 (check_key_range)
+  for (int a = 0; a < ndim; ++a) cells *= g.in_shape[a];
+  const bool packed = use_packed && cells <= kPackedKeys;
+  if (packed) {  // the keys region holds the 64-bit slots, vals is unused
+    init_packed_kernel<<<blocks_for(l.capacity / 2, device_id), kBlock, 0, st>>>(
+        reinterpret_cast<uint4*>(ws), l.capacity / 2, header);
+    check_launch("sparse_rulebook_subm init_packed_kernel");
+  } else {
+    launch_fill(ws, l.capacity * 8, fill_word(-1), device_id, st, "sparse_rulebook_subm (keys)");
+    launch_fill(ws + l.vals, l.capacity * 4, fill_word(kNoRow), device_id, st,
+                "sparse_rulebook_subm (vals)");
+    launch_zero(header, kHeaderInts * 4, device_id, st, "sparse_rulebook_subm (header)");
+  }
   const bool mirror = use_mirror && n > 0 && mirrored(g, n);
   const PairLayout pl = pair_layout(k_volume, n);
   int* pws = ws + l.pairs;
   // the mirror offsets K - 1 - k > k: out_row rows and tile counts prefilled by the insert
   const int64_t first_mirror = (k_volume + 1) / 2;
-  if (n > 0) {
+  const auto insert = [&](auto table) {
+    if (n == 0) return;
     insert_rows_kernel<<<blocks_for(n, device_id), kBlock, 0, st>>>(
-        data_of<const int>(indices), static_cast<int>(n), ndim, g, keys, vals, mask, header,
+        data_of<const int>(indices), static_cast<int>(n), ndim, g, table, header,
         data_of<int>(out_indices), pws + pl.out_row + first_mirror * n,
         mirror ? (k_volume - first_mirror) * n : 0, pws + pl.tile_count + first_mirror * pl.tiles,
         mirror ? (k_volume - first_mirror) * pl.tiles : 0);
     check_launch("sparse_rulebook_subm insert_rows_kernel");
-  }
-  Readback read{};
-  if (read_flags) {
-    read = start_readback(reinterpret_cast<const int64_t*>(header), kHeaderInts / 2, device_id, st);
-  }
-  const TableLookup lookup{keys, vals, mask};
-  if (mirror) {
+  };
+  const auto pairs_of = [&](auto lookup) {
+    if (!mirror) {
+      launch_pairs(indices, g, lookup, n, pws, pairs, pair_num, device_id, st,
+                   "sparse_rulebook_subm");
+      return;
+    }
     mirror_pair_lookup_kernel<<<static_cast<unsigned>(first_mirror * pl.tiles), kBlock, 0, st>>>(
         data_of<const int>(indices), static_cast<int>(n), pl.tiles, static_cast<int>(k_volume), g,
         lookup, pws + pl.out_row, pws + pl.tile_count);
     check_launch("sparse_rulebook_subm mirror_pair_lookup_kernel");
     launch_scan_emit(pl, k_volume, n, pws, pairs, pair_num, st, "sparse_rulebook_subm");
+  };
+  auto* slots = reinterpret_cast<unsigned long long*>(ws);
+  auto* keys = reinterpret_cast<int64_t*>(ws);
+  if (packed) {
+    insert(PackedTable{slots, mask});
   } else {
-    launch_pairs(indices, g, lookup, n, pws, pairs, pair_num, device_id, st,
-                 "sparse_rulebook_subm");
+    insert(SplitTable{keys, ws + l.vals, mask});
+  }
+  Readback read{};
+  if (read_flags) {
+    read = start_readback(reinterpret_cast<const int64_t*>(header), kHeaderInts / 2, device_id, st);
+  }
+  if (packed) {
+    pairs_of(PackedLookup{slots, mask});
+  } else {
+    pairs_of(TableLookup{keys, ws + l.vals, mask});
   }
   if (!read_flags) return -1;
   const int* h = reinterpret_cast<const int*>(finish_readback(read));

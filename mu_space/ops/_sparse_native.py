@@ -190,6 +190,18 @@ BITMAP_ENABLED = os.environ.get("MUSPACE_SPARSE_RULEBOOK_BITMAP", "1") != "0"
 # the same rule book: tests/ops/test_sparse_native.py). MUSPACE_SPARSE_RULEBOOK_MIRROR=0 looks
 # up every offset (A/B timing).
 SUBM_MIRROR = os.environ.get("MUSPACE_SPARSE_RULEBOOK_MIRROR", "1") != "0"
+# sparse_rulebook_subm's PackedTable (key and row in one 64-bit slot: one init launch instead of
+# three fills, one compare-and-swap per insert, one load per probe) over grids of fewer than 2^31
+# cells. Written 2026-12-05 and compiled (nvcc, clang), not yet run on a GPU (that session's
+# second device call was refused): `auto` keeps the int64-key table until it has passed the GPU
+# suite, memcheck and racecheck ("" then); MUSPACE_TRY_UNVERIFIED=1 takes it.
+PACKED_TABLE_UNVERIFIED = "not yet run on a GPU (written 2026-12-05)"
+
+
+def packed_table_allowed() -> bool:
+    """Whether sparse_rulebook_subm may take the PackedTable (PACKED_TABLE_UNVERIFIED)."""
+    return not PACKED_TABLE_UNVERIFIED or os.environ.get(_opdef.TRY_UNVERIFIED) == "1"
+
 
 # header of sparse_hash_insert / sparse_rulebook_unique / sparse_rulebook_mark
 _BAD, _DUP, _COUNT, _FULL = range(4)
@@ -285,7 +297,7 @@ def rulebook_subm(indices, info, read_flags: bool, st):
     spatial, _, ksize, _, padding, dilation = _geometry(info)
     flags = native.function("sparse_rulebook_subm")(
         indices, ws, pairs, num, out_indices, info["batch_size"], spatial, ksize, padding,
-        dilation, read_flags, SUBM_MIRROR, st,
+        dilation, read_flags, SUBM_MIRROR, packed_table_allowed(), st,
     )  # fmt: skip
     return pairs, num, out_indices, int(flags)
 

@@ -145,15 +145,17 @@ SUBM_GEOMETRIES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("table", ["packed", "int64"])
 @pytest.mark.parametrize("mirror", [True, False], ids=["mirror", "every-offset"])
 @pytest.mark.parametrize("geometry", list(SUBM_GEOMETRIES))
 def test_subm_rulebook_with_and_without_mirror_lookups_equals_the_reference(
-    monkeypatch, geometry, mirror
+    monkeypatch, geometry, mirror, table
 ):
     """12000 sites (6 tiles of 2048 inputs, the last one partial) in voxel order and shuffled (a
-    tile's mirrored pairs then land in every tile): pairs, counts and sites equal the
-    reference's element by element, outputs poisoned."""
+    tile's mirrored pairs then land in every tile), on either hash table: pairs, counts and
+    sites equal the reference's element by element, outputs poisoned."""
     monkeypatch.setattr(_sparse_native, "SUBM_MIRROR", mirror)
+    monkeypatch.setattr(_sparse_native, "packed_table_allowed", lambda: table == "packed")
     ksize, padding, dilation = SUBM_GEOMETRIES[geometry]
     idx, batch = lidar_indices(keep=6000)
     perm = torch.randperm(len(idx), generator=torch.Generator().manual_seed(3)).to(idx.device)
@@ -164,6 +166,31 @@ def test_subm_rulebook_with_and_without_mirror_lookups_equals_the_reference(
             got = sparse_rulebook(sites.clone(), *args, backend="native")
         for name, g, w in zip(("out_indices", "indice_pairs", "indice_pair_num"), got, want):
             assert g.shape == w.shape and torch.equal(g, w), f"{geometry}: {name} differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mirror", [True, False], ids=["mirror", "every-offset"])
+def test_subm_rulebook_over_a_grid_of_more_than_2_31_cells(monkeypatch, mirror):
+    """batch 3 x [64, 4096, 4096] (3 * 2^30 cells: keys beyond the packed table's 31 bits, so
+    sparse_rulebook_subm takes the int64-key table even where the packed one is allowed): the
+    frame's sites, shifted towards the far corner of the grid, in three samples, give the
+    reference's rule book."""
+    monkeypatch.setattr(_sparse_native, "SUBM_MIRROR", mirror)
+    monkeypatch.setattr(_sparse_native, "packed_table_allowed", lambda: True)
+    idx, _ = lidar_indices(keep=3000)
+    shape = [64, 4096, 4096]
+    sites = idx.clone()
+    sites[:, 0] = torch.arange(len(sites), device=sites.device) % 3
+    sites[:, 1:] += torch.tensor([20, 2600, 2600], dtype=torch.int32, device=sites.device)
+    sites = torch.unique(sites, dim=0)
+    sites = sites[torch.randperm(len(sites), generator=torch.Generator().manual_seed(4))]
+    args = (3, shape, [3] * 3, [1] * 3, [1] * 3, [1] * 3, [0] * 3, True, False)
+    want = sparse_rulebook(sites, *args, backend="reference")
+    with _opdef.poisoned_outputs():
+        got = sparse_rulebook(sites.clone(), *args, backend="native")
+    for name, g, w in zip(("out_indices", "indice_pairs", "indice_pair_num"), got, want):
+        assert g.shape == w.shape and torch.equal(g, w), name
+    assert int(want.indice_pair_num.sum()) > len(sites)  # pairs beyond the centre offset's
 
 
 @pytest.mark.gpu

@@ -235,6 +235,20 @@ def test_conv_and_pool_stages_pass_arguments_the_library_accepts(calls, dtype, i
     ]
 
 
+def test_an_unverified_packed_table_runs_only_when_asked(monkeypatch):
+    """While PACKED_TABLE_UNVERIFIED says why, `auto` passes use_packed = False to
+    sparse_rulebook_subm; MUSPACE_TRY_UNVERIFIED=1 (the GPU sessions that verify it) or a
+    verified mark ("") passes True."""
+    monkeypatch.setattr(_sparse_native, "PACKED_TABLE_UNVERIFIED", "not run on a GPU yet")
+    monkeypatch.delenv("MUSPACE_TRY_UNVERIFIED", raising=False)
+    assert not _sparse_native.packed_table_allowed()
+    monkeypatch.setenv("MUSPACE_TRY_UNVERIFIED", "1")
+    assert _sparse_native.packed_table_allowed()
+    monkeypatch.delenv("MUSPACE_TRY_UNVERIFIED")
+    monkeypatch.setattr(_sparse_native, "PACKED_TABLE_UNVERIFIED", "")
+    assert _sparse_native.packed_table_allowed()
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -282,6 +296,7 @@ def _base_cases(lib):
                 _shape(3, 3, 3),
                 _shape(1, 1, 1),
                 _shape(1, 1, 1),
+                True,
                 True,
                 True,
                 0,
