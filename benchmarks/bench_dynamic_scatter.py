@@ -9,7 +9,8 @@ a DynamicVFE layer scatters). Configs: centerpoint-0075-nus (10 sweeps, ~330k po
 voxels) and pointpillars-nus (the same cloud in 0.25 m pillars: long voxels near the sensor).
 
 - forward: `dynamic_scatter(feats, coors, reduce)`, the whole call (grouping with its one host
-  sync, then the reduction).
+  sync, then the reduction; feats need no gradient, so the one-call forward where it is allowed:
+  FUSED_FORWARD in mu_space/ops/dynamic_scatter.py, MUSPACE_DYNAMIC_SCATTER_FUSED=0 for the parts).
 - backward: `torch.autograd.grad` of the voxel features w.r.t. feats (the forward outside the
   timing): segment_reduce's backward kernel.
 - `-mmcv` twins (forward and backward) when scripts/build_mmcv_voxel_peer.sh has built mmcv's own

@@ -91,6 +91,12 @@ def collect(path: str) -> dict:
     )
     m = 3
     feats, order, starts = np.zeros((n, C), f32), np.zeros(n, i32), np.zeros(m, i32)
+    cases["dynamic_scatter_bitmap_forward"] = _battery(
+        lib,
+        "dynamic_scatter_bitmap_forward",
+        [coors, wsb.copy(), coors.copy(), vec.copy(), vec.copy(), vec.copy(), vec.copy(), feats,
+         np.zeros((n, C), f32), 1, 0],
+    )  # fmt: skip
     cases["segment_reduce_forward"] = _battery(
         lib,
         "segment_reduce_forward",

@@ -22,6 +22,9 @@
 // The sort was our own LSD radix sort (3 passes of 11 bits over 31-bit keys: the key range is
 // on the device); on the H200 (2026-12-01, 300k points) it took 125 of the grouping's 161 us.
 //
+// dynamic_scatter_bitmap_forward: voxel_group_bitmap, then segment_reduce_forward's kernel
+// queued before the host waits for the voxel count (the kernel reads M and K on the device).
+//
 // segment_reduce_forward: a thread per (voxel, channel) sums (or maxes, NaN ignored) the voxel's
 // rows in input order in float32 and rounds once; max optionally writes the winner row per
 // (voxel, channel) (the first row holding the maximum, mmcv's tie rule; -1 when none) into an
@@ -402,6 +405,20 @@ constexpr int kSum = 0, kMean = 1, kMax = 2;
 
 __device__ __forceinline__ float negative_infinity() { return -__int_as_float(0x7f800000); }
 
+// M and K from the bitmap grouping's header, for a reduction queued before the host knows them
+// (kSizesOnDevice: dynamic_scatter_bitmap_forward): at most the outputs' capacity m, k; false
+// (nothing to do) when the grouping handed back to the sort. A template flag, so the kernels of
+// segment_reduce_forward are the ones measured before (a runtime pointer cost the 16-bit
+// 16-byte kernel a 16-byte spill, ptxas sm_90a).
+template <bool kSizesOnDevice>
+__device__ __forceinline__ bool group_sizes(const int* group_header, int& m, int& k) {
+  if constexpr (!kSizesOnDevice) return true;
+  if (group_header[kFallback] != 0) return false;
+  m = min(max(group_header[kVoxels], 0), m);
+  k = min(max(group_header[kValid], 0), k);
+  return true;
+}
+
 // The voxel's valid range [s, e) of order (clamped to [0, k)).
 __device__ __forceinline__ void voxel_range(const int* starts, const int* counts, int v, int k,
                                             int& s, int& e) {
@@ -410,14 +427,14 @@ __device__ __forceinline__ void voxel_range(const int* starts, const int* counts
   e = static_cast<int>(min(static_cast<int64_t>(s) + c, static_cast<int64_t>(k)));
 }
 
-template <typename T>
+template <typename T, bool kSizesOnDevice>
 __global__ void __launch_bounds__(kBlock)
     segment_reduce_kernel(const T* __restrict__ feats, int n, int channels,
                           const int* __restrict__ order, int k, const int* __restrict__ starts,
                           const int* __restrict__ counts, int m, int reduce, T* __restrict__ out,
-                          int* __restrict__ argmax) {
+                          int* __restrict__ argmax, const int* __restrict__ group_header) {
+  if (channels <= 0 || !group_sizes<kSizesOnDevice>(group_header, m, k)) return;
   const int64_t total = static_cast<int64_t>(m) * channels;
-  if (channels <= 0) return;
   RowCol rc(global_thread(), global_threads(), channels);
   for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
     const int v = static_cast<int>(rc.row);
@@ -430,7 +447,11 @@ __global__ void __launch_bounds__(kBlock)
       const int i = order[j];
       if (static_cast<unsigned>(i) >= static_cast<unsigned>(n)) continue;
       const float x = to_float(feats[static_cast<int64_t>(i) * channels + c]);
-      if (reduce == kMax) {
+      if (reduce == kMax && kSizesOnDevice) {
+        // no argmax (dynamic_scatter_bitmap_forward): a strict > keeps the first row holding the
+        // maximum too (the same bits, +-0 and -inf included) without tracking the row
+        if (x > acc) acc = x;
+      } else if (reduce == kMax) {
         // NaN never wins (mmcv's fmaxf); the first row holding the maximum is the winner, as in
         // segment_grad_max_kernel (a -inf row counts)
         if (x > acc || (arg < 0 && x == acc)) {
@@ -476,16 +497,17 @@ constexpr int kPiece = 16 / static_cast<int>(sizeof(T));
 // 16-byte aligned): a thread per (voxel, piece), the same float32 arithmetic per element in the
 // same row order. A thread per (voxel, channel) issued a 4-byte load per row and channel and
 // read at 35 % of DRAM throughput at C = 64 (ncu, H200, 2026-12-01).
-template <typename T>
+template <typename T, bool kSizesOnDevice>
 __global__ void __launch_bounds__(kBlock)
     segment_reduce_vec_kernel(const T* __restrict__ feats, int n, int channels,
                               const int* __restrict__ order, int k, const int* __restrict__ starts,
                               const int* __restrict__ counts, int m, int reduce,
-                              T* __restrict__ out, int* __restrict__ argmax) {
+                              T* __restrict__ out, int* __restrict__ argmax,
+                              const int* __restrict__ group_header) {
   constexpr int kVec = kPiece<T>;
   const int pieces = channels / kVec;
+  if (pieces <= 0 || !group_sizes<kSizesOnDevice>(group_header, m, k)) return;
   const int64_t total = static_cast<int64_t>(m) * pieces;
-  if (pieces <= 0) return;
   RowCol rc(global_thread(), global_threads(), pieces);
   for (int64_t e = global_thread(); e < total; e += global_threads(), rc.next()) {
     const int v = static_cast<int>(rc.row);
@@ -506,7 +528,9 @@ __global__ void __launch_bounds__(kBlock)
       load_floats<T, kVec>(feats + static_cast<int64_t>(i) * channels + c0, x);
 #pragma unroll
       for (int u = 0; u < kVec; ++u) {
-        if (reduce == kMax) {
+        if (reduce == kMax && kSizesOnDevice) {
+          if (x[u] > acc[u]) acc[u] = x[u];  // no argmax: as segment_reduce_kernel
+        } else if (reduce == kMax) {
           if (x[u] > acc[u] || (arg[u] < 0 && x[u] == acc[u])) {  // as segment_reduce_kernel
             acc[u] = x[u];
             arg[u] = i;
@@ -848,16 +872,12 @@ int64_t bitmap_workspace_ints(int64_t n) {
   return bitmap_layout(n).ints;
 }
 
-// voxel_group's outputs (each with N entries: upper bounds) from the bitmap grouping above.
-// Returns m + k * 2^31 (M voxels, K kept rows, both < 2^30: the first M / K entries of
-// voxel_coors, starts, counts / order are the result), or -1 when the bitmap grouping cannot
-// (the key range beyond the workspace's bitmap, an int64 value beyond int32, a voxel of more
-// than kBitmapMaxPointsPerVoxel rows): the caller then runs the sort grouping. The one host
-// synchronisation: the header, copied after the rank kernel while the rest runs.
-int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_coors,
-                     TensorView order, TensorView starts, TensorView counts, TensorView point2voxel,
-                     int64_t stream) {
-  const int64_t n = check_group_coors(coors);
+// The checks of voxel_group_bitmap's outputs (each with N entries: upper bounds) and
+// workspace -> the workspace layout.
+BitmapLayout check_bitmap_group(const TensorView& coors, int64_t n, const TensorView& workspace,
+                                const TensorView& voxel_coors, const TensorView& order,
+                                const TensorView& starts, const TensorView& counts,
+                                const TensorView& point2voxel) {
   const int64_t ndim = coors.size(1);
   check_input(voxel_coors, "voxel_coors", coors, coors.dtype());
   check_ndim(voxel_coors, "voxel_coors", 2);
@@ -875,22 +895,26 @@ int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_co
                               << "voxel_group_bitmap_workspace_ints), got " << workspace.size(0);
   }
   check_aligned(workspace, "workspace", 16);
-  const int device_id = coors.device().device_id;
-  DeviceGuard guard(device_id);
-  const gpuStream_t st = as_stream(stream);
-  if (n == 0) return 0;
-  int* ws = data_of<int>(workspace);
+  return l;
+}
+
+// Queues the bitmap grouping's kernels (n > 0) and the copy of its header to the host, which is
+// started after the rank kernel (M, K and the fallback flag are final there) while the place and
+// order kernels still run. Finish with finish_bitmap_group.
+Readback launch_bitmap_group(const TensorView& coors, int64_t n, const BitmapLayout& l, int* ws,
+                             const TensorView& voxel_coors, const TensorView& order,
+                             const TensorView& starts, const TensorView& counts,
+                             const TensorView& point2voxel, int device_id, gpuStream_t st) {
   int* head = ws + l.header;
   uint32_t* bitmap = reinterpret_cast<uint32_t*>(ws + l.bitmap);
   uint32_t* keys = reinterpret_cast<uint32_t*>(ws + l.keys);
   int* blocks = ws + l.blocks;
   const int64_t n_blocks = l.keys_cap >> kBlockKeysLog2;
   const int ni = static_cast<int>(n);
-  const int nd = static_cast<int>(ndim);
+  const int nd = static_cast<int>(coors.size(1));
   const int grid = blocks_for(n, device_id);
   launch_zero(head, kBitmapHeaderInts * 4, device_id, st, "voxel_group fill (bitmap header)");
   uint16_t* word_prefix = reinterpret_cast<uint16_t*>(ws + l.word_prefix);
-  Readback header;
   dispatch_index(coors, "coors", [&](auto tag) {
     using I = decltype(tag);
     const I* rows = data_of<const I>(coors);
@@ -912,7 +936,7 @@ int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_co
         data_of<int>(counts), ws + l.pos, data_of<I>(voxel_coors));
     check_launch("voxel_group bitmap_rank_kernel");
   });
-  header =
+  const Readback header =
       start_readback(reinterpret_cast<const int64_t*>(head), kBitmapHeaderInts / 2, device_id, st);
   exclusive_scan<scan::kFineScanItems>(data_of<int>(counts), data_of<int>(starts), n, ws + l.sums,
                                        nullptr, st, "voxel_group count scan");
@@ -923,9 +947,35 @@ int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_co
       head, ni, data_of<const int>(point2voxel), data_of<const int>(starts),
       data_of<const int>(counts), ws + l.list, data_of<int>(order));
   check_launch("voxel_group stable_rank_kernel");
+  return header;
+}
+
+// Waits for the header (the one host synchronisation) -> m + k * 2^31, or -1 for the fallback.
+int64_t finish_bitmap_group(const Readback& header) {
   const int* h = reinterpret_cast<const int*>(finish_readback(header));
   if (h[kFallback] != 0) return -1;
   return static_cast<int64_t>(h[kVoxels]) + (static_cast<int64_t>(h[kValid]) << 31);
+}
+
+// voxel_group's outputs (each with N entries: upper bounds) from the bitmap grouping above.
+// Returns m + k * 2^31 (M voxels, K kept rows, both < 2^30: the first M / K entries of
+// voxel_coors, starts, counts / order are the result), or -1 when the bitmap grouping cannot
+// (the key range beyond the workspace's bitmap, an int64 value beyond int32, a voxel of more
+// than kBitmapMaxPointsPerVoxel rows): the caller then runs the sort grouping. The one host
+// synchronisation: the header, copied after the rank kernel while the rest runs.
+int64_t group_bitmap(TensorView coors, TensorView workspace, TensorView voxel_coors,
+                     TensorView order, TensorView starts, TensorView counts, TensorView point2voxel,
+                     int64_t stream) {
+  const int64_t n = check_group_coors(coors);
+  const BitmapLayout l =
+      check_bitmap_group(coors, n, workspace, voxel_coors, order, starts, counts, point2voxel);
+  const int device_id = coors.device().device_id;
+  DeviceGuard guard(device_id);
+  const gpuStream_t st = as_stream(stream);
+  if (n == 0) return 0;
+  const Readback header = launch_bitmap_group(coors, n, l, data_of<int>(workspace), voxel_coors,
+                                              order, starts, counts, point2voxel, device_id, st);
+  return finish_bitmap_group(header);
 }
 
 struct Grouping {
@@ -975,6 +1025,41 @@ void check_argmax(const Optional<TensorView>& argmax, const TensorView& feats, c
   check_size(*argmax, "argmax", 1, g.channels);
 }
 
+// segment_reduce's forward kernel over g (its m: out's rows, its k: order's length): the 16-byte
+// kernel where C and the pointers allow, else one thread per element. kSizesOnDevice: M and K
+// (at most g.m, g.k) are read from the bitmap grouping's header group_header on the device;
+// else g.m and g.k are the sizes (group_header unused).
+template <bool kSizesOnDevice>
+void launch_reduce_forward(const TensorView& feats, const TensorView& order,
+                           const TensorView& starts, const TensorView& counts, const Grouping& g,
+                           int r, const TensorView& out, const Optional<TensorView>& argmax,
+                           const int* group_header, int device_id, gpuStream_t st) {
+  const int ni = static_cast<int>(g.n);
+  const int nc = static_cast<int>(g.channels);
+  const int nk = static_cast<int>(g.k);
+  const int nm = static_cast<int>(g.m);
+  dispatch_float(feats, "feats", [&](auto tag) {
+    using T = decltype(tag);
+    if (g.channels % kPiece<T> == 0 && is_aligned(feats, 16) && is_aligned(out, 16) &&
+        (!argmax.has_value() || is_aligned(*argmax, 16))) {
+      const int64_t pieces = g.m * (g.channels / kPiece<T>);
+      segment_reduce_vec_kernel<T, kSizesOnDevice>
+          <<<blocks_for(pieces, device_id), kBlock, 0, st>>>(
+              data_of<const T>(feats), ni, nc, data_of<const int>(order), nk,
+              data_of<const int>(starts), data_of<const int>(counts), nm, r, data_of<T>(out),
+              data_of<int>(argmax), group_header);
+      check_launch("segment_reduce_vec_kernel");
+      return;
+    }
+    segment_reduce_kernel<T, kSizesOnDevice>
+        <<<blocks_for(g.m * g.channels, device_id), kBlock, 0, st>>>(
+            data_of<const T>(feats), ni, nc, data_of<const int>(order), nk,
+            data_of<const int>(starts), data_of<const int>(counts), nm, r, data_of<T>(out),
+            data_of<int>(argmax), group_header);
+    check_launch("segment_reduce_kernel");
+  });
+}
+
 // argmax (optional, max only) <- the first row of order holding each maximum, -1 when none.
 void reduce_forward(TensorView feats, TensorView order, TensorView starts, TensorView counts,
                     TensorView out, Optional<TensorView> argmax, int64_t reduce, int64_t stream) {
@@ -988,27 +1073,44 @@ void reduce_forward(TensorView feats, TensorView order, TensorView starts, Tenso
   if (out.numel() == 0) return;
   const int device_id = feats.device().device_id;
   DeviceGuard guard(device_id);
+  launch_reduce_forward<false>(feats, order, starts, counts, g, r, out, argmax, nullptr, device_id,
+                               as_stream(stream));
+}
+
+// dynamic_scatter's forward in one call: voxel_group_bitmap's grouping (its arguments and
+// return value), then segment_reduce_forward's kernel into out [N, C] (upper bound: the first M
+// rows are the result), queued before the host waits for the voxel count: the kernel reads M
+// and K from the grouping's header, so the reduction runs while the count comes back instead of
+// after the host has read it and called segment_reduce_forward. No argmax (the caller takes
+// this path for calls that need no gradient). -1 (the bitmap grouping hands back to the sort):
+// out is untouched; the caller runs the sort grouping and segment_reduce_forward.
+int64_t scatter_bitmap_forward(TensorView coors, TensorView workspace, TensorView voxel_coors,
+                               TensorView order, TensorView starts, TensorView counts,
+                               TensorView point2voxel, TensorView feats, TensorView out,
+                               int64_t reduce, int64_t stream) {
+  const int64_t n = check_group_coors(coors);
+  const BitmapLayout l =
+      check_bitmap_group(coors, n, workspace, voxel_coors, order, starts, counts, point2voxel);
+  const Grouping g = check_grouping(feats, "feats", order, starts, counts);  // m = k = n: caps
+  check_device(feats, "feats", coors);
+  check_size(feats, "feats", 0, n);
+  const int r = reduce_code(reduce);
+  check_like(out, "out", feats, "feats");
+  check_ndim(out, "out", 2);
+  check_size(out, "out", 0, n);
+  check_size(out, "out", 1, g.channels);
+  const int device_id = coors.device().device_id;
+  DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
-  dispatch_float(feats, "feats", [&](auto tag) {
-    using T = decltype(tag);
-    if (g.channels % kPiece<T> == 0 && is_aligned(feats, 16) && is_aligned(out, 16) &&
-        (!argmax.has_value() || is_aligned(*argmax, 16))) {
-      const int64_t pieces = g.m * (g.channels / kPiece<T>);
-      segment_reduce_vec_kernel<T><<<blocks_for(pieces, device_id), kBlock, 0, st>>>(
-          data_of<const T>(feats), static_cast<int>(g.n), static_cast<int>(g.channels),
-          data_of<const int>(order), static_cast<int>(g.k), data_of<const int>(starts),
-          data_of<const int>(counts), static_cast<int>(g.m), r, data_of<T>(out),
-          data_of<int>(argmax));
-      check_launch("segment_reduce_vec_kernel");
-      return;
-    }
-    segment_reduce_kernel<T><<<blocks_for(g.m * g.channels, device_id), kBlock, 0, st>>>(
-        data_of<const T>(feats), static_cast<int>(g.n), static_cast<int>(g.channels),
-        data_of<const int>(order), static_cast<int>(g.k), data_of<const int>(starts),
-        data_of<const int>(counts), static_cast<int>(g.m), r, data_of<T>(out),
-        data_of<int>(argmax));
-    check_launch("segment_reduce_kernel");
-  });
+  if (n == 0) return 0;
+  int* ws = data_of<int>(workspace);
+  const Readback header = launch_bitmap_group(coors, n, l, ws, voxel_coors, order, starts, counts,
+                                              point2voxel, device_id, st);
+  if (out.numel() != 0) {
+    launch_reduce_forward<true>(feats, order, starts, counts, g, r, out, Optional<TensorView>(),
+                                ws + l.header, device_id, st);
+  }
+  return finish_bitmap_group(header);
 }
 
 // argmax (optional, max only): the forward's winners; without it the max backward walks the
@@ -1091,4 +1193,6 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_bitmap, muspace::voxel::group_bitmap);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(voxel_group_bitmap_workspace_ints,
                               muspace::voxel::bitmap_workspace_ints);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_reduce_forward, muspace::voxel::reduce_forward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dynamic_scatter_bitmap_forward,
+                              muspace::voxel::scatter_bitmap_forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(segment_reduce_backward, muspace::voxel::reduce_backward);

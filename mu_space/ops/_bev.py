@@ -5,7 +5,6 @@ bev_pool_rows share. Operator modules import these; no op imports another op's p
 from __future__ import annotations
 
 import operator
-import os
 from typing import NamedTuple
 
 import torch
@@ -287,7 +286,9 @@ NATIVE_STEPS_UNVERIFIED = ""
 
 
 def native_steps_allowed() -> bool:
-    return not NATIVE_STEPS_UNVERIFIED or os.environ.get("MUSPACE_TRY_UNVERIFIED") == "1"
+    from mu_space.ops import _opdef
+
+    return _opdef.step_allowed(NATIVE_STEPS_UNVERIFIED)
 
 
 def _native_cells(coords: torch.Tensor, dims: tuple[int, int, int, int]) -> torch.Tensor:

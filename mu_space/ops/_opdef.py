@@ -87,6 +87,12 @@ class Backward:
 TRY_UNVERIFIED = "MUSPACE_TRY_UNVERIFIED"
 
 
+def step_allowed(unverified: str) -> bool:
+    """Whether a native step inside a verified op may run: `unverified` is "" once it has passed
+    the GPU suite (else why not, e.g. "not yet run on a GPU"), or MUSPACE_TRY_UNVERIFIED=1."""
+    return not unverified or os.environ.get(TRY_UNVERIFIED) == "1"
+
+
 @dataclass
 class OpDef:
     name: str

@@ -200,7 +200,7 @@ PACKED_TABLE_UNVERIFIED = "not yet run on a GPU (written 2026-12-05)"
 
 def packed_table_allowed() -> bool:
     """Whether sparse_rulebook_subm may take the PackedTable (PACKED_TABLE_UNVERIFIED)."""
-    return not PACKED_TABLE_UNVERIFIED or os.environ.get(_opdef.TRY_UNVERIFIED) == "1"
+    return _opdef.step_allowed(PACKED_TABLE_UNVERIFIED)
 
 
 # header of sparse_hash_insert / sparse_rulebook_unique / sparse_rulebook_mark
@@ -711,7 +711,7 @@ def row_order_allowed() -> bool:
     MUSPACE_TRY_UNVERIFIED=1."""
     if not ROW_ORDER_ENABLED:
         return False
-    return not ROW_ORDER_UNVERIFIED or os.environ.get(_opdef.TRY_UNVERIFIED) == "1"
+    return _opdef.step_allowed(ROW_ORDER_UNVERIFIED)
 
 
 def row_order(neighbour_map, st):

@@ -18,7 +18,9 @@ run). Where the key range exceeds the bitmap or a voxel holds more points than t
 selection takes, it hands back to the sort grouping: a stable torch.sort of the keys (CUB's
 radix sort under CUDA, torch_musa's under MUSA) and the runs of equal keys. segment_reduce is one
 kernel per direction, no atomics, no synchronisation. Deterministic in both directions. The
-backward needs no re-sort: the grouping is an input of segment_reduce.
+backward needs no re-sort: the grouping is an input of segment_reduce. A forward that needs no
+gradient may run as one native call (dynamic_scatter_bitmap_forward: the reduction queued before
+the voxel count is read; FUSED_FORWARD below).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ GROUP_ENTRY_POINTS = (
 GROUPING = os.environ.get("MUSPACE_DYNAMIC_SCATTER_GROUPING", "bitmap")
 _PACKED_K = 1 << 31  # voxel_group_bitmap returns m + k * 2^31
 REDUCE_ENTRY_POINTS = ("segment_reduce_forward", "segment_reduce_backward")
+FUSED_ENTRY_POINTS = ("dynamic_scatter_bitmap_forward",)
 
 
 class VoxelGroups(NamedTuple):
@@ -162,32 +165,35 @@ def _group_supports(c: _opdef.Checked) -> str | None:
     return None
 
 
-def _group_native(c, coors) -> VoxelGroups:
-    n, ndim = c.info
-    if n == 0:
-        return voxel_group_reference(coors)
-    coors = coors.contiguous()
-    voxel_coors = _opdef.new_output(coors, (n, ndim))
-    order = _opdef.new_output(coors, (n,), torch.int32)
-    starts = _opdef.new_output(coors, (n,), torch.int32)
-    counts = _opdef.new_output(coors, (n,), torch.int32)
-    p2v = _opdef.new_output(coors, (n,), torch.int32)
+def _group_outputs(coors, n: int, ndim: int):
+    """voxel_group's native outputs, N entries each (upper bounds): voxel_coors, order, starts,
+    counts, point2voxel."""
+    return (
+        _opdef.new_output(coors, (n, ndim)),
+        *(_opdef.new_output(coors, (n,), torch.int32) for _ in range(4)),
+    )
+
+
+def _bitmap_workspace(coors, n: int) -> torch.Tensor:
+    ints = int(native.function("voxel_group_bitmap_workspace_ints")(n))
+    return torch.empty(ints, dtype=torch.int32, device=coors.device)
+
+
+def _cut_groups(outputs, packed: int) -> VoxelGroups:
+    """The bitmap grouping's outputs cut to its M voxels and K kept rows (packed: m + k * 2^31)."""
+    voxel_coors, order, starts, counts, p2v = outputs
+    m, k = packed % _PACKED_K, packed // _PACKED_K
+    return VoxelGroups(
+        voxel_coors.resize_(m, voxel_coors.shape[1]), order.resize_(k), starts.resize_(m),
+        counts.resize_(m), p2v,
+    )  # fmt: skip
+
+
+def _group_sort_native(coors, outputs) -> VoxelGroups:
+    """The sort grouping into `outputs` (_group_outputs)."""
+    n = coors.shape[0]
+    voxel_coors, order, starts, counts, p2v = outputs
     st = stream_handle(coors)
-    if GROUPING != "sort":
-        ints = int(native.function("voxel_group_bitmap_workspace_ints")(n))
-        workspace = torch.empty(ints, dtype=torch.int32, device=coors.device)
-        packed = int(
-            native.function("voxel_group_bitmap")(
-                coors, workspace, voxel_coors, order, starts, counts, p2v, st
-            )
-        )  # the one host synchronisation: the voxel count
-        if packed >= 0:
-            m, k = packed % _PACKED_K, packed // _PACKED_K
-            return VoxelGroups(
-                voxel_coors.resize_(m, ndim), order.resize_(k), starts.resize_(m),
-                counts.resize_(m), p2v,
-            )  # fmt: skip
-        # the key range exceeds the bitmap, or a voxel is too crowded: the sort grouping
     header = _opdef.new_output(coors, (3,), torch.int64)
     ints = int(native.function("voxel_group_workspace_ints")(n))
     workspace = torch.empty(ints, dtype=torch.int32, device=coors.device)
@@ -205,8 +211,27 @@ def _group_native(c, coors) -> VoxelGroups:
         # column maxima + 1 >= 2**31): the same result from the reference, on the same device
         return voxel_group_reference(coors)
     return VoxelGroups(
-        voxel_coors.resize_(m, ndim), order.resize_(k), starts.resize_(m), counts.resize_(m), p2v
-    )
+        voxel_coors.resize_(m, voxel_coors.shape[1]), order.resize_(k), starts.resize_(m),
+        counts.resize_(m), p2v,
+    )  # fmt: skip
+
+
+def _group_native(c, coors) -> VoxelGroups:
+    n, ndim = c.info
+    if n == 0:
+        return voxel_group_reference(coors)
+    coors = coors.contiguous()
+    outputs = _group_outputs(coors, n, ndim)
+    if GROUPING != "sort":
+        packed = int(
+            native.function("voxel_group_bitmap")(
+                coors, _bitmap_workspace(coors, n), *outputs, stream_handle(coors)
+            )
+        )  # the one host synchronisation: the voxel count
+        if packed >= 0:
+            return _cut_groups(outputs, packed)
+        # the key range exceeds the bitmap, or a voxel is too crowded: the sort grouping
+    return _group_sort_native(coors, outputs)
 
 
 def _group_fake(coors):
@@ -564,7 +589,59 @@ def dynamic_scatter_reference(feats, coors, reduce_type):
     return _scatter(feats, coors, reduce_type, "reference")
 
 
+# The forward of calls that need no gradient in one native call: dynamic_scatter_bitmap_forward
+# runs the bitmap grouping and queues the reduction before the host waits for the voxel count
+# (the kernel reads M and K on the device), instead of voxel_group, the read-back, then
+# segment_reduce's checks and launch while the GPU idles. Calls that need a gradient take the
+# parts (segment_reduce's autograd). Written 2026-12-05 and compiled (nvcc, clang), not yet run
+# on a GPU: `auto` takes it only with MUSPACE_TRY_UNVERIFIED=1 until it has passed the GPU
+# suite ("" then). MUSPACE_DYNAMIC_SCATTER_FUSED=0 turns it off (A/B timing).
+FUSED_FORWARD_UNVERIFIED = "not yet run on a GPU (written 2026-12-05)"
+FUSED_FORWARD = os.environ.get("MUSPACE_DYNAMIC_SCATTER_FUSED", "1") != "0"
+
+
+def _fused_forward_allowed(feats) -> bool:
+    return (
+        FUSED_FORWARD
+        and GROUPING != "sort"
+        and _opdef.step_allowed(FUSED_FORWARD_UNVERIFIED)
+        and not (feats.requires_grad and torch.is_grad_enabled())
+        and not torch.compiler.is_compiling()
+        and feats.numel() > 0
+        and feats.shape[0] <= native.limit("voxel_group.max_points")
+    )
+
+
+def _fused_forward(c, feats, coors, reduce_type, backend):
+    n, C, ndim = c.info
+    feats, coors = feats.contiguous(), coors.contiguous()
+    # the workspace and the grouping's four int32 arrays (internal here: only voxel_feats and
+    # voxel_coors are returned) in one allocation: each allocation costs ~3.7 us of host time
+    # on the H200's host (benchmarks/results/h200/overhead.json)
+    ints = int(native.function("voxel_group_bitmap_workspace_ints")(n))
+    buf = torch.empty(ints + 4 * n, dtype=torch.int32, device=coors.device)
+    workspace = buf[:ints]
+    outputs = (_opdef.new_output(coors, (n, ndim)), *buf[ints:].view(4, n).unbind(0))
+    out = _opdef.new_output(feats, (n, C))  # [N, C]: the first M rows are the result
+    code = _REDUCE_CODE[reduce_type]
+    scatter = native.function("dynamic_scatter_bitmap_forward")
+    # the one host synchronisation: the voxel count (the reduction is already queued)
+    packed = int(scatter(coors, workspace, *outputs, feats, out, code, stream_handle(feats)))
+    if packed >= 0:
+        m = packed % _PACKED_K
+        return out.resize_(m, C), outputs[0].resize_(m, ndim)
+    # the bitmap grouping handed back (key range, crowded voxel): the sort grouping and the
+    # reduction as separate calls
+    g = _group_sort_native(coors, outputs)
+    out = segment_reduce(
+        feats, g.order, g.starts, g.counts, g.point2voxel, reduce_type, backend=backend
+    )
+    return out, g.voxel_coors
+
+
 def _forward_native(c, feats, coors, reduce_type, *, backend):
+    if _fused_forward_allowed(feats):
+        return _fused_forward(c, feats, coors, reduce_type, backend)
     return _scatter(feats, coors, reduce_type, backend)
 
 
@@ -602,7 +679,7 @@ OP = _opdef.define(
         grad_inputs=(),
         supports=_supports,
         native_dtypes=NATIVE_FEAT_DTYPES,
-        entry_points=GROUP_ENTRY_POINTS + REDUCE_ENTRY_POINTS,
+        entry_points=GROUP_ENTRY_POINTS + REDUCE_ENTRY_POINTS + FUSED_ENTRY_POINTS,
         samples=_samples,
         upstream="mmcv `dynamic_scatter` / `DynamicScatter`",
         models="DynamicVFE (dynamic-voxel PointPillars / SECOND / CenterPoint), MVX-Net, "

@@ -623,6 +623,131 @@ def test_native_max_backward_takes_the_saved_argmax(channels, monkeypatch):
     assert torch.equal(f.grad.cpu(), fr.grad)
 
 
+# ---------------------------------------------------------------- the one-call forward
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor (NaN payloads and the sign of zero compared too)."""
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _signed_zero_feats(n, channels, dtype, seed):
+    """_max_feats with -0.0 in place of about half of the ReLU zeros: a voxel's maximum may be a
+    zero of either sign, and the first row holding it decides the bits."""
+    feats = _max_feats(n, channels, torch.float32, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    flip = (feats == 0) & (torch.rand(feats.shape, generator=gen) < 0.5)
+    return torch.where(flip, torch.full_like(feats, -0.0), feats).to(dtype)
+
+
+def _fused_and_parts(feats, coors, reduce, monkeypatch):
+    """dynamic_scatter on `device` without a gradient, through the one-call forward and through
+    the parts (MUSPACE_DYNAMIC_SCATTER_FUSED=0), outputs poisoned; the entry points each called."""
+    monkeypatch.setattr(ds, "FUSED_FORWARD_UNVERIFIED", "")
+    names = recording_entry_points(monkeypatch)
+    with _opdef.poisoned_outputs():
+        fused = mu_space.dynamic_scatter(feats, coors, reduce, backend="native")
+    fused_names = [n for n in names if n != "muspace_build_facts"]  # (read once per library)
+    names.clear()
+    monkeypatch.setattr(ds, "FUSED_FORWARD", False)
+    with _opdef.poisoned_outputs():
+        parts = mu_space.dynamic_scatter(feats, coors, reduce, backend="native")
+    monkeypatch.setattr(ds, "FUSED_FORWARD", True)
+    return fused, parts, fused_names, list(names)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["centerpoint-0075-nus", "tiny-voxels"])
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+@pytest.mark.parametrize("channels", [4, 5, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_fused_forward_equals_the_parts(config, reduce, channels, dtype, monkeypatch):
+    """The one-call forward (dynamic_scatter_bitmap_forward: the reduction queued before the
+    voxel count is read, its sizes read on the device) gives the parts' outputs to the bit (the
+    same float32 arithmetic in the same row order; max without its row tracking: the first row's
+    zero among -0.0 / +0.0 ties, NaN and -inf rows included), and the reference within the op's
+    tolerance (NaN where it has NaN).
+    16-byte and per-element kernels (C = 4 / 8 / 64 against 5 and the 16-bit piece size)."""
+    device = native_gpu_device()
+    vs, pcr, _, _ = lidar.layer_args(config)
+    pts = lidar.VOXEL_CONFIGS[config].points()
+    coors = _voxel.dynamic_rows(pts, _voxel.voxel_grid(vs, pcr))
+    feats = _signed_zero_feats(2 * ((pts.shape[0] + 1) // 2), channels, dtype, seed=channels)
+    feats = feats[: pts.shape[0]]
+    fused, parts, fused_names, part_names = _fused_and_parts(
+        feats.to(device), coors.to(device), reduce, monkeypatch
+    )
+    assert fused_names == ["voxel_group_bitmap_workspace_ints", "dynamic_scatter_bitmap_forward"]
+    assert "segment_reduce_forward" in part_names and "dynamic_scatter_bitmap_forward" not in (
+        part_names
+    )
+    assert torch.equal(fused[1], parts[1])
+    assert fused[0].shape == parts[0].shape and torch.equal(_bits(fused[0]), _bits(parts[0]))
+    want, want_c = mu_space.dynamic_scatter(feats, coors, reduce, backend="reference")
+    assert torch.equal(fused[1].cpu(), want_c)
+    from mu_space.testing import tolerances
+
+    # (the reference's zero maxima may carry either sign: scatter_reduce's amax keeps no row
+    # order; the parts' kernel is the one whose bits the fused kernel must give)
+    tolerances.assert_close(fused[0].cpu(), want, op="dynamic_scatter", equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_native_fused_forward_unaligned_feats_hand_backs_and_gradients(monkeypatch):
+    """The one-call forward with feats one element into a larger buffer (the per-element
+    kernel), its hand-backs to the sort grouping (a voxel beyond the bitmap's row limit, a key
+    range beyond the bitmap: then the parts run and the result is the same), and a call that
+    needs a gradient (the parts, with segment_reduce's autograd)."""
+    from mu_space.runtime import native
+
+    device = native_gpu_device()
+    pts, coors = _inputs()
+    C = 8
+    feats = _signed_zero_feats(2 * ((pts.shape[0] + 1) // 2), C, torch.float32, seed=3)
+    feats = feats[: pts.shape[0]]
+    buf = torch.empty(feats.numel() + 1, device=device)
+    unaligned = buf[1:].view(feats.shape)
+    unaligned.copy_(feats.to(device))
+    assert unaligned.data_ptr() % 16 != 0
+    fused, parts, names, _ = _fused_and_parts(
+        unaligned, coors.to(device), "mean", device, monkeypatch
+    )
+    assert "dynamic_scatter_bitmap_forward" in names
+    assert torch.equal(_bits(fused[0]), _bits(parts[0])) and torch.equal(fused[1], parts[1])
+
+    limit = native.limit("voxel_group.bitmap_max_points_per_voxel")
+    kept = coors[(coors >= 0).all(1)]
+    crowded = torch.cat((coors, (kept.max(0).values + 1)[None].repeat(limit + 1, 1)))
+    wide = torch.tensor([[0, 40000, 40000], [1, 0, 7], [1, 0, 7], [-1, 3, 3]], dtype=torch.int32)
+    for case in (crowded, wide):
+        f = torch.randn(case.shape[0], C, generator=torch.Generator().manual_seed(4))
+        for reduce in ("max", "mean"):
+            fused, parts, names, _ = _fused_and_parts(
+                f.to(device), case.to(device), reduce, monkeypatch
+            )
+            assert names[1:] == [
+                "dynamic_scatter_bitmap_forward",
+                "voxel_group_workspace_ints",
+                "voxel_group_keys",
+                "voxel_group_from_sorted",
+                "segment_reduce_forward",
+            ], names
+            assert torch.equal(_bits(fused[0]), _bits(parts[0])) and torch.equal(fused[1], parts[1])
+            want, want_c = mu_space.dynamic_scatter(f, case, reduce, backend="reference")
+            assert torch.equal(fused[1].cpu(), want_c)
+            torch.testing.assert_close(fused[0].cpu(), want, **TOL)
+
+    monkeypatch.setattr(ds, "FUSED_FORWARD_UNVERIFIED", "")
+    names = recording_entry_points(monkeypatch)
+    f = feats.to(device).requires_grad_(True)
+    out, _ = mu_space.dynamic_scatter(f, coors.to(device), "max", backend="native")
+    assert "dynamic_scatter_bitmap_forward" not in names and "segment_reduce_forward" in names
+    out.sum().backward()
+    fr = feats.clone().requires_grad_(True)
+    mu_space.dynamic_scatter(fr, coors, "max", backend="reference")[0].sum().backward()
+    assert torch.equal(f.grad.cpu(), fr.grad)
+
+
 # ---------------------------------------------------------------- the CenterPoint recipe
 
 

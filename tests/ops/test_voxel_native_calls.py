@@ -29,6 +29,7 @@ ENTRY_POINTS = (
     "voxel_group_from_sorted",
     "segment_reduce_forward",
     "segment_reduce_backward",
+    "dynamic_scatter_bitmap_forward",
     "pillar_scatter_forward",
     "pillar_scatter_backward",
 )
@@ -129,6 +130,53 @@ def test_scatter_entry_points_accept_the_python_arguments(calls, reduce, groupin
         "segment_reduce_forward",
         "segment_reduce_backward",
     ]
+
+
+@pytest.mark.parametrize("coors_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_scatter_forward_accepts_the_python_arguments(calls, dtype, coors_dtype, monkeypatch):
+    """dynamic_scatter's one-call forward (dynamic_scatter_bitmap_forward) for feats that need no
+    gradient once allowed (FUSED_FORWARD_UNVERIFIED, MUSPACE_TRY_UNVERIFIED=1); the parts for
+    feats that need one, for the sort grouping, with MUSPACE_DYNAMIC_SCATTER_FUSED=0 and while
+    unverified without MUSPACE_TRY_UNVERIFIED."""
+    ds = sys.modules["mu_space.ops.dynamic_scatter"]
+    monkeypatch.setattr(ds, "FUSED_FORWARD_UNVERIFIED", "not run on a GPU yet")
+    monkeypatch.setenv("MUSPACE_TRY_UNVERIFIED", "1")
+    pts, coors = ds._dynamic_coors("cpu")
+    pts, coors = pts.to(dtype), coors.to(coors_dtype)
+    for reduce in ("max", "sum", "mean"):
+        with pytest.raises(ReachedRuntime):
+            _native("dynamic_scatter", pts, coors, reduce)
+    assert calls == ["dynamic_scatter_bitmap_forward"] * 3
+    calls.clear()
+    with pytest.raises(ReachedRuntime), torch.no_grad():
+        _native("dynamic_scatter", pts.requires_grad_(True), coors, "max")
+    assert calls == ["dynamic_scatter_bitmap_forward"]
+    class Parts(Exception):
+        pass
+
+    def parts(*args):
+        raise Parts
+
+    for case in ("grad", "sort", "off", "unverified"):
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(ds, "_scatter", parts)  # voxel_group + segment_reduce (their own tests)
+            if case == "sort":
+                m.setattr(ds, "GROUPING", "sort")
+            if case == "off":
+                m.setattr(ds, "FUSED_FORWARD", False)
+            if case == "unverified":
+                m.delenv("MUSPACE_TRY_UNVERIFIED")
+            with pytest.raises(Parts):
+                _native("dynamic_scatter", pts.detach().requires_grad_(case == "grad"), coors)
+        assert calls == [], case
+    monkeypatch.delenv("MUSPACE_TRY_UNVERIFIED")
+    monkeypatch.setattr(ds, "FUSED_FORWARD_UNVERIFIED", "")  # verified: auto takes it
+    calls.clear()
+    with pytest.raises(ReachedRuntime):
+        _native("dynamic_scatter", pts.detach(), coors, "mean")
+    assert calls == ["dynamic_scatter_bitmap_forward"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
