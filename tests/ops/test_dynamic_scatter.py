@@ -748,6 +748,123 @@ def test_native_fused_forward_unaligned_feats_hand_backs_and_gradients(monkeypat
     assert torch.equal(f.grad.cpu(), fr.grad)
 
 
+# ---------------------------------------------------------------- the padded form
+
+
+def test_padded_form_is_dynamic_scatter_plus_padding():
+    """dynamic_scatter_padded (reference path): dynamic_scatter's rows, then zero / -1 rows up to
+    N, voxel_num = M; voxel_group_padded: voxel_group's arrays padded (order -1 beyond K, starts
+    and counts 0 beyond M); gradients as dynamic_scatter's."""
+    feats, coors = _inputs(clouds=2, with_batch=True)
+    n = feats.shape[0]
+    for reduce in ("max", "mean"):
+        f1 = feats.clone().requires_grad_(True)
+        f2 = feats.clone().requires_grad_(True)
+        out, vc, num = mu_space.dynamic_scatter_padded(f1, coors, reduce)
+        want, want_c = mu_space.dynamic_scatter(f2, coors, reduce)
+        m = want.shape[0]
+        assert out.shape == (n, feats.shape[1]) and vc.shape == (n, coors.shape[1])
+        assert num.dtype == torch.int64 and num.dim() == 0 and int(num) == m < n
+        assert torch.equal(out[:m], want) and torch.equal(vc[:m], want_c)
+        assert not out[m:].any() and bool((vc[m:] == -1).all())
+        g = torch.randn(m, feats.shape[1], generator=torch.Generator().manual_seed(2))
+        out.backward(torch.cat((g, torch.randn(n - m, feats.shape[1]))))  # padding: no gradient
+        want.backward(g)
+        assert torch.equal(f1.grad, f2.grad)
+    p = mu_space.ops.voxel_group_padded(coors)
+    g = voxel_group(coors, backend="reference")
+    m, k = g.starts.shape[0], g.order.shape[0]
+    assert int(p.voxel_num) == m
+    assert torch.equal(p.order[:k], g.order) and bool((p.order[k:] == -1).all())
+    assert torch.equal(p.starts[:m], g.starts) and torch.equal(p.counts[:m], g.counts)
+    assert not p.starts[m:].any() and not p.counts[m:].any()
+    assert torch.equal(p.point2voxel, g.point2voxel)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["centerpoint-0075-nus", "tiny-voxels"])
+@pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
+@pytest.mark.parametrize("channels", [5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_native_padded_equals_dynamic_scatter(config, reduce, channels, dtype, monkeypatch):
+    """The padded form's native path (the sort grouping with its count left on the device, the
+    reduction over N voxel slots) gives dynamic_scatter's native rows to the bit, padding rows
+    0 / -1 (outputs poisoned), voxel_num = M, and the same gradient."""
+    device = native_gpu_device()
+    vs, pcr, _, _ = lidar.layer_args(config)
+    pts = lidar.VOXEL_CONFIGS[config].points()
+    coors = _voxel.dynamic_rows(pts, _voxel.voxel_grid(vs, pcr)).to(device)
+    gen = torch.Generator().manual_seed(channels)
+    feats = (pts if channels == 5 else torch.randn(pts.shape[0], channels, generator=gen)).to(
+        device=device, dtype=dtype
+    )
+    names = recording_entry_points(monkeypatch)
+    f1 = feats.clone().requires_grad_(True)
+    with _opdef.poisoned_outputs():
+        out, vc, num = mu_space.dynamic_scatter_padded(f1, coors, reduce, backend="native")
+    assert "voxel_group_keys" in names and "segment_reduce_forward" in names, names
+    f2 = feats.clone().requires_grad_(True)
+    want, want_c = mu_space.dynamic_scatter(f2, coors, reduce, backend="native")
+    m = want.shape[0]
+    assert int(num) == m
+    assert torch.equal(_bits(out[:m]), _bits(want)) and torch.equal(vc[:m], want_c)
+    assert not out[m:].any() and bool((vc[m:] == -1).all())
+    g = torch.randn(want.shape, generator=gen).to(device=device, dtype=dtype)
+    with _opdef.poisoned_outputs():
+        out.backward(torch.cat((g, torch.ones_like(out[m:]))))
+    want.backward(g)
+    assert torch.equal(f1.grad, f2.grad)
+
+
+@pytest.mark.gpu
+def test_native_padded_key_range_overflow_says_so():
+    """Coordinates whose key range reaches 2^31 - 1: voxel_num -1 and only padding (the
+    documented precondition), no out-of-bounds access; dynamic_scatter handles them."""
+    device = native_gpu_device()
+    coors = torch.tensor([[0, 2**30, 5], [0, 2**30, 5], [7, 0, 2**31 - 1], [-3, 0, 0]])
+    feats = torch.randn(4, 8, device=device)
+    out, vc, num = mu_space.dynamic_scatter_padded(feats, coors.to(device), "max", backend="native")
+    assert int(num) == -1 and not out.any() and bool((vc == -1).all())
+    want, _ = mu_space.dynamic_scatter(feats, coors.to(device), "max", backend="native")
+    assert want.shape[0] == 2
+
+
+@pytest.mark.gpu
+def test_native_padded_is_cuda_graph_capturable():
+    """dynamic_scatter_padded captured in a CUDA graph, replayed on other points of the same
+    count, equals dynamic_scatter on those points."""
+    from tests.helpers import graph_capture_device
+
+    device = graph_capture_device()
+    vs, pcr, _, _ = lidar.layer_args("centerpoint-0075-nus")
+    grid = _voxel.voxel_grid(vs, pcr)
+    pts = lidar.VOXEL_CONFIGS["centerpoint-0075-nus"].points()
+    # other points of the same count: shuffled and moved 0.37 m (other voxels, other order)
+    other = pts[torch.randperm(pts.shape[0], generator=torch.Generator().manual_seed(7))].clone()
+    other[:, :2] += 0.37
+    static_f = pts.to(device)
+    static_c = _voxel.dynamic_rows(pts, grid).to(device)
+    for reduce in ("max", "mean"):
+        mu_space.dynamic_scatter_padded(static_f, static_c, reduce, backend="cuda")  # warm-up
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, vc, num = mu_space.dynamic_scatter_padded(
+                static_f, static_c, reduce, backend="cuda"
+            )
+        static_f.copy_(other.to(device))
+        static_c.copy_(_voxel.dynamic_rows(other, grid).to(device))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_c = mu_space.dynamic_scatter(static_f, static_c, reduce, backend="cuda")
+        m = want.shape[0]
+        assert int(num) == m
+        assert torch.equal(out[:m], want) and torch.equal(vc[:m], want_c)
+        assert not out[m:].any() and bool((vc[m:] == -1).all())
+        static_f.copy_(pts.to(device))
+        static_c.copy_(_voxel.dynamic_rows(pts, grid).to(device))
+
+
 # ---------------------------------------------------------------- the CenterPoint recipe
 
 

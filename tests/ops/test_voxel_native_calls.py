@@ -47,7 +47,7 @@ def calls(library, monkeypatch):
     reached = relabelling(
         library, monkeypatch, continue_after=("voxel_group_keys", "voxel_hard_keys")
     )
-    for mod in ("_voxel", "dynamic_scatter", "pillar_scatter"):
+    for mod in ("_voxel", "dynamic_scatter", "dynamic_scatter_padded", "pillar_scatter"):
         monkeypatch.setattr(sys.modules[f"mu_space.ops.{mod}"], "stream_handle", lambda t: 0)
     return reached
 
@@ -152,6 +152,7 @@ def test_fused_scatter_forward_accepts_the_python_arguments(calls, dtype, coors_
     with pytest.raises(ReachedRuntime), torch.no_grad():
         _native("dynamic_scatter", pts.requires_grad_(True), coors, "max")
     assert calls == ["dynamic_scatter_bitmap_forward"]
+
     class Parts(Exception):
         pass
 
@@ -177,6 +178,17 @@ def test_fused_scatter_forward_accepts_the_python_arguments(calls, dtype, coors_
     with pytest.raises(ReachedRuntime):
         _native("dynamic_scatter", pts.detach(), coors, "mean")
     assert calls == ["dynamic_scatter_bitmap_forward"]
+
+
+@pytest.mark.parametrize("coors_dtype", [torch.int32, torch.int64])
+def test_padded_grouping_accepts_the_python_arguments(calls, coors_dtype):
+    """voxel_group_padded (dynamic_scatter_padded's grouping): the sort grouping's two entry
+    points on its padded outputs, and no other call."""
+    ds = sys.modules["mu_space.ops.dynamic_scatter"]
+    _, coors = ds._dynamic_coors("cpu", with_batch=coors_dtype == torch.int64)
+    with pytest.raises(ReachedRuntime):
+        _native("voxel_group_padded", coors.to(coors_dtype))
+    assert calls == ["voxel_group_keys", "voxel_group_from_sorted"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
