@@ -11,6 +11,8 @@ voxels) and pointpillars-nus (the same cloud in 0.25 m pillars: long voxels near
 - forward: `dynamic_scatter(feats, coors, reduce)`, the whole call (grouping with its one host
   sync, then the reduction; feats need no gradient, so the one-call forward where it is allowed:
   FUSED_FORWARD in mu_space/ops/dynamic_scatter.py, MUSPACE_DYNAMIC_SCATTER_FUSED=0 for the parts).
+- forward-padded (centerpoint-0075-nus): `dynamic_scatter_padded`, no host synchronisation
+  (`--graph` times it as CUDA graph replays; the other forward cannot be captured).
 - backward: `torch.autograd.grad` of the voxel features w.r.t. feats (the forward outside the
   timing): segment_reduce's backward kernel.
 - `-mmcv` twins (forward and backward) when scripts/build_mmcv_voxel_peer.sh has built mmcv's own
@@ -34,11 +36,12 @@ from benchmarks import _voxel_peer as peer
 from benchmarks import harness
 from benchmarks.harness import Case, Target
 from mu_space.ops.dynamic_scatter import dynamic_scatter, dynamic_scatter_with_map
+from mu_space.ops.dynamic_scatter_padded import dynamic_scatter_padded
 from mu_space.ops.dynamic_voxelize import dynamic_voxelize
 from mu_space.testing import lidar
 
 CONFIGS = ("centerpoint-0075-nus", "pointpillars-nus")
-SMOKE = {"centerpoint-0075-nus": "tiny-voxels"}
+SMOKE = {"centerpoint-0075-nus": "tiny-voxels"}  # label -> layer
 REDUCES = ("mean", "max")
 CHANNELS = (5, 64)
 DTYPES = (torch.float32, torch.float16)
@@ -118,6 +121,22 @@ def cases_for(label, layer, channels, reduce, dtype, params=None, backward=True,
             reference=lambda f, c: dynamic_scatter(f, c, reduce, backend="reference"),
         )
     ]
+    if label == "centerpoint-0075-nus":  # the target config (smoke: its tiny stand-in)
+        # N rows written: the padding too
+        padded_bytes = _nbytes(feats) * 2 + _nbytes(coors) * 2 + 8
+        cases.append(
+            Case(
+                name=f"{name}-forward-padded-{dt}",
+                op="dynamic_scatter_padded",
+                direction="forward",
+                dtype=dtype,
+                params={**params, "form": "padded"},
+                compulsory_bytes=padded_bytes,
+                fn=lambda f, c: dynamic_scatter_padded(f, c, reduce, backend=be),
+                make_args=lambda: (feats, coors),
+                reference=lambda f, c: dynamic_scatter_padded(f, c, reduce, backend="reference"),
+            )
+        )
     if backward:
         bwd_bytes = (
             _nbytes(grad) + _nbytes(feats) * (2 if reduce == "max" else 1) + 4 * feats.shape[0]

@@ -140,7 +140,7 @@ group_files() {  # group_files GROUP: the test files of a sanitizer group
   case $1 in
     voxel) echo "${t}voxelization.py ${t}dynamic_scatter.py ${t}pillar_scatter.py" ;;
     voxelization) echo "${t}voxelization.py" ;;
-    scatter | scatter_a | scatter_b | scatter_small | scatter_fused)
+    scatter | scatter_a | scatter_b | scatter_small | scatter_fused_padded)
       echo "${t}dynamic_scatter.py ${t}pillar_scatter.py" ;;
     box3d) echo "${t}points_in_boxes.py ${t}boxes_overlap_bev.py ${t}nms3d.py ${t}circle_nms.py" \
       "${t}roiaware_pool3d.py ${t}roipoint_pool3d.py" ;;
@@ -166,8 +166,8 @@ group_k() {
     scatter_a) echo "dtype0 or dtype1" ;;
     scatter_b) echo "not dtype0 and not dtype1" ;;
     scatter_small) echo "not centerpoint and not pointpillars-nus" ;;
-    # dynamic_scatter's one-call forward (its tests on the small cloud, hand-backs included)
-    scatter_fused) echo "fused and not centerpoint" ;;
+    # dynamic_scatter's one-call forward and dynamic_scatter_padded (small-cloud tests)
+    scatter_fused_padded) echo "(fused or padded) and not centerpoint" ;;
     # the nms3d cases a 240-s racecheck run had not reached (H200, 2026-12-01)
     nms_rest) echo "box_limit or workspace or visits" ;;
     nms_quick) echo "not box_limit" ;;  # racecheck of the 196608-box case alone exceeded 150 s

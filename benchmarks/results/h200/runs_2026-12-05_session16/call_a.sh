@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Prepared in session 16 (no device machine was lent that session: NOT RUN yet). The first of
-# two calls that verify the native changes not yet run on a GPU: the packed SubM table (d9a1f4e)
-# and dynamic_scatter's one-call forward (dynamic_scatter_bitmap_forward, session 16). Both are
+# two calls that verify the native changes not yet run on a GPU: the packed SubM table (d9a1f4e),
+# dynamic_scatter's one-call forward (dynamic_scatter_bitmap_forward, session 16) and the
+# composition dynamic_scatter_padded (session 16). All are
 # behind their UNVERIFIED marks, so every stage here runs with MUSPACE_TRY_UNVERIFIED=1:
 #   the whole LiDAR GPU suite (every LiDAR op file, contracts, strict self-check);
 #   memcheck / racecheck of the rule-book tests and of the fused-forward tests;
 #   the rule-book probe (both tables, mirror on / off, spconv beside);
 #   dynamic_scatter's forward at centerpoint-0075-nus, one-call vs the parts
-#   (MUSPACE_DYNAMIC_SCATTER_FUSED=0), each twice, alternating.
+#   (MUSPACE_DYNAMIC_SCATTER_FUSED=0), each twice, alternating; dynamic_scatter_padded's forward
+#   (written in session 16 too) timed as calls and as CUDA graph replays.
 # Then call_b.sh (the benchmark beside spconv and the sweeps). Carry .whl and .peers (spconv kit,
 # the 90a library of this commit as muspace_lib.tar.xz); kind nvidia-h200, timeout 600.
 set -uo pipefail
@@ -20,17 +22,21 @@ trap 'tar -czf $F/a.tar.gz -C $F/w . ; rm -rf $F/w' EXIT
 t0=$(date +%s)
 STAGE_LIMIT=200 OUT=$F/w/check bash scripts/lidar_gpu_session.sh check 2>&1 | tail -7
 echo "check done $(( $(date +%s) - t0 )) s"
-SANITIZE_JOBS="memcheck:sparse_rulebook racecheck:sparse_rulebook memcheck:scatter_fused racecheck:scatter_fused" \
+SANITIZE_JOBS="memcheck:sparse_rulebook racecheck:sparse_rulebook memcheck:scatter_fused_padded racecheck:scatter_fused_padded" \
   SANITIZER_LIMIT=100 OUT=$F/w/san bash scripts/lidar_gpu_session.sh sanitize 2>&1 | tail -6
 echo "sanitize done $(( $(date +%s) - t0 )) s"
 PYTHONPATH=/tmp/peers:$PYTHONPATH timeout 90 python3 benchmarks/results/h200/runs_2026-12-05_session15/rb_probe6.py > $F/w/rb_probe6.txt 2>&1; grep -E "^(==|--|native|voxels)|Error|error" $F/w/rb_probe6.txt | head -40
 echo "probe done $(( $(date +%s) - t0 )) s"
-for round in 1 2; do
-  for fused in 1 0; do
-    [ $(( $(date +%s) - t0 )) -gt 540 ] && break 2
-    MUSPACE_DYNAMIC_SCATTER_FUSED=$fused timeout 50 python3 -m benchmarks.bench_dynamic_scatter --quick --reps 100 \
-      --cases "centerpoint-0075-nus-c.*-forward" --no-write > $F/w/ds_fused${fused}_r$round.txt 2>&1
-    echo "== dynamic_scatter forward, fused=$fused, round $round"; grep -E "forward" $F/w/ds_fused${fused}_r$round.txt | cut -c1-150
-  done
-done
+ds() {  # ds LABEL ARGS...: the forward cases of dynamic_scatter at centerpoint-0075-nus
+  local label=$1; shift
+  [ $(( $(date +%s) - t0 )) -gt 545 ] && return
+  timeout 45 python3 -m benchmarks.bench_dynamic_scatter --quick --reps 100 --no-write "$@" > $F/w/ds_$label.txt 2>&1
+  echo "== dynamic_scatter $label"; grep -E "forward" $F/w/ds_$label.txt | cut -c1-150
+}
+MUSPACE_DYNAMIC_SCATTER_FUSED=1 ds fused_r1 --cases "centerpoint-0075-nus-c.*-forward-float"
+MUSPACE_DYNAMIC_SCATTER_FUSED=0 ds parts_r1 --cases "centerpoint-0075-nus-c.*-forward-float"
+ds padded --cases "centerpoint-0075-nus-c.*-forward-padded"
+ds padded_graph --graph --cases "centerpoint-0075-nus-c.*-forward-padded"
+MUSPACE_DYNAMIC_SCATTER_FUSED=1 ds fused_r2 --cases "centerpoint-0075-nus-c.*-forward-float"
+MUSPACE_DYNAMIC_SCATTER_FUSED=0 ds parts_r2 --cases "centerpoint-0075-nus-c.*-forward-float"
 echo "all done $(( $(date +%s) - t0 )) s"
