@@ -25,6 +25,7 @@ the voxel count is read; FUSED_FORWARD below).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -174,9 +175,14 @@ def _group_outputs(coors, n: int, ndim: int):
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _bitmap_workspace_ints(n: int) -> int:
+    """(cached: a TVM-FFI call costs ~4.6 us of host time on the H200's host, overhead.json)"""
+    return int(native.function("voxel_group_bitmap_workspace_ints")(n))
+
+
 def _bitmap_workspace(coors, n: int) -> torch.Tensor:
-    ints = int(native.function("voxel_group_bitmap_workspace_ints")(n))
-    return torch.empty(ints, dtype=torch.int32, device=coors.device)
+    return torch.empty(_bitmap_workspace_ints(n), dtype=torch.int32, device=coors.device)
 
 
 def _cut_groups(outputs, packed: int) -> VoxelGroups:
@@ -618,7 +624,7 @@ def _fused_forward(c, feats, coors, reduce_type, backend):
     # the workspace and the grouping's four int32 arrays (internal here: only voxel_feats and
     # voxel_coors are returned) in one allocation: each allocation costs ~3.7 us of host time
     # on the H200's host (benchmarks/results/h200/overhead.json)
-    ints = int(native.function("voxel_group_bitmap_workspace_ints")(n))
+    ints = _bitmap_workspace_ints(n)
     buf = torch.empty(ints + 4 * n, dtype=torch.int32, device=coors.device)
     workspace = buf[:ints]
     outputs = (_opdef.new_output(coors, (n, ndim)), *buf[ints:].view(4, n).unbind(0))
