@@ -11,7 +11,9 @@
 #   (MUSPACE_DYNAMIC_SCATTER_FUSED=0), each twice, alternating; dynamic_scatter_padded's forward
 #   (written in session 16 too) timed as calls and as CUDA graph replays.
 # Then call_b.sh (the benchmark beside spconv and the sweeps). Carry .whl and .peers (spconv kit,
-# the 90a library of this commit as muspace_lib.tar.xz); kind nvidia-h200, timeout 600.
+# the 90a library of this commit as muspace_lib.tar.xz, mmcv-lite 2.1.0's csrc tree in
+# .peers/mmcv: the sanitize stage builds mmcv's peer kernels meanwhile, so the dynamic_scatter
+# forward rows get their -mmcv twins in the same call); kind nvidia-h200, timeout 600.
 set -uo pipefail
 F=$OUT; mkdir -p $F/w
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
