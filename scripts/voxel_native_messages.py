@@ -124,6 +124,9 @@ def collect(path: str) -> dict:
     cases["pillar_scatter_forward"] = _battery(
         lib, "pillar_scatter_forward", [feats, coors, cmap, canvas, 0]
     )
+    cases["pillar_scatter_forward_tiled"] = _battery(
+        lib, "pillar_scatter_forward_tiled", [feats, coors, canvas.copy(), 0]
+    )
     cases["pillar_scatter_backward"] = _battery(
         lib, "pillar_scatter_backward", [canvas, coors, cmap, feats.copy(), 0]
     )

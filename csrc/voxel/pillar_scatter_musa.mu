@@ -71,6 +71,63 @@ __device__ __forceinline__ uint4 pack16(const uint16_t (&v)[8]) {
   return make_uint4(pair(0), pair(2), pair(4), pair(6));
 }
 
+constexpr int kChannelChunk = 8;
+constexpr int kSubChunk = 4;
+
+// Channels [s0, s0 + kSubChunk) of K neighbouring cells (row[k]: the cell's pillar, -1 for
+// none: zeros) as kSubChunk 16-byte stores, one per channel plane from dst on: each pillar's
+// kSubChunk channels are one 16-byte (float32) / 8-byte (16-bit) load, transposed in registers
+// (16-bit: two cells per 32-bit word, the lower cell in the low half). Needs channels %
+// kSubChunk == 0 and feats aligned to kSubChunk elements.
+template <typename W, int K>
+__device__ __forceinline__ void store_sub_chunk(const W* __restrict__ feats, int channels,
+                                                const int (&row)[K], int s0, W* dst,
+                                                int64_t plane) {
+  constexpr int kWords = kSubChunk * static_cast<int>(sizeof(W)) / 4;  // 4 or 2
+  uint32_t w[K][kWords];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const W* src = feats + static_cast<int64_t>(row[k] >= 0 ? row[k] : 0) * channels + s0;
+    if constexpr (kWords == 4) {
+      const uint4 a = row[k] >= 0 ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+      w[k][0] = a.x;
+      w[k][1] = a.y;
+      w[k][2] = a.z;
+      w[k][3] = a.w;
+    } else {
+      const uint2 a = row[k] >= 0 ? *reinterpret_cast<const uint2*>(src) : make_uint2(0, 0);
+      w[k][0] = a.x;
+      w[k][1] = a.y;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kSubChunk; ++j, dst += plane) {
+    uint32_t o[4];
+#pragma unroll
+    for (int q4 = 0; q4 < 4; ++q4) {
+      if constexpr (sizeof(W) == 4) {
+        o[q4] = w[q4][j];
+      } else {
+        const uint32_t lo = w[2 * q4][j / 2], hi = w[2 * q4 + 1][j / 2];
+        o[q4] = j % 2 == 0 ? (lo & 0xffffu) | (hi << 16) : (lo >> 16) | (hi & 0xffff0000u);
+      }
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+// Channel c of K neighbouring cells as one 16-byte store (one load per occupied cell).
+template <typename W, int K>
+__device__ __forceinline__ void store_channel(const W* __restrict__ feats, int channels,
+                                              const int (&row)[K], int c, W* dst) {
+  W v[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    v[k] = row[k] >= 0 ? feats[static_cast<int64_t>(row[k]) * channels + c] : W(0);
+  }
+  *reinterpret_cast<uint4*>(dst) = pack16(v);
+}
+
 // A thread per (K cells of one plane row, kChannelChunk channels): blockIdx.z / y walk the
 // samples / channel chunks, x the cell groups, so consecutive threads write consecutive 16-byte
 // pieces of one channel plane. Splitting the channels across threads gives ~C / 8 times the
@@ -84,8 +141,6 @@ __device__ __forceinline__ uint4 pack16(const uint16_t (&v)[8]) {
 // channels are read kSubChunk at a time as one 16-byte (float32) / 8-byte (16-bit) load per cell
 // and transposed in registers; 8 channels at once held 32 words per thread (60 registers for
 // float32, a spill for 16-bit: ptxas, sm_90a).
-constexpr int kChannelChunk = 8;
-constexpr int kSubChunk = 4;
 
 template <typename W, bool kVectorRows>
 __global__ void __launch_bounds__(kBlock)
@@ -123,54 +178,12 @@ __global__ void __launch_bounds__(kBlock)
           continue;
         }
         if constexpr (kVectorRows) {
-          // sub-chunk s of each cell's pillar as 32-bit words (zeros for an empty cell), then
-          // channel j's K values from word j (float32) or a half of word j / 2 (16-bit: cells
-          // paired into one word, the lower cell in the low half)
-          constexpr int kWords = kSubChunk * static_cast<int>(sizeof(W)) / 4;  // 4 or 2
-          for (int s0 = c0; s0 < c1; s0 += kSubChunk) {
-            uint32_t w[K][kWords];
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-              const W* src = feats + static_cast<int64_t>(row[k] >= 0 ? row[k] : 0) * channels + s0;
-              if constexpr (kWords == 4) {
-                const uint4 a =
-                    row[k] >= 0 ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-                w[k][0] = a.x;
-                w[k][1] = a.y;
-                w[k][2] = a.z;
-                w[k][3] = a.w;
-              } else {
-                const uint2 a =
-                    row[k] >= 0 ? *reinterpret_cast<const uint2*>(src) : make_uint2(0, 0);
-                w[k][0] = a.x;
-                w[k][1] = a.y;
-              }
-            }
-#pragma unroll
-            for (int j = 0; j < kSubChunk; ++j, dst += plane) {
-              uint32_t o[4];
-#pragma unroll
-              for (int q4 = 0; q4 < 4; ++q4) {
-                if constexpr (sizeof(W) == 4) {
-                  o[q4] = w[q4][j];
-                } else {
-                  const uint32_t lo = w[2 * q4][j / 2], hi = w[2 * q4 + 1][j / 2];
-                  o[q4] =
-                      j % 2 == 0 ? (lo & 0xffffu) | (hi << 16) : (lo >> 16) | (hi & 0xffff0000u);
-                }
-              }
-              *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
-            }
+          for (int s0 = c0; s0 < c1; s0 += kSubChunk, dst += kSubChunk * plane) {
+            store_sub_chunk<W, K>(feats, channels, row, s0, dst, plane);
           }
         } else {
-          for (int c = c0; c < c1; ++c, dst += plane) {
-            W v[K];
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-              v[k] = row[k] >= 0 ? feats[static_cast<int64_t>(row[k]) * channels + c] : W(0);
-            }
-            *reinterpret_cast<uint4*>(dst) = pack16(v);
-          }
+          for (int c = c0; c < c1; ++c, dst += plane)
+            store_channel<W, K>(feats, channels, row, c, dst);
         }
       }
     }
@@ -213,6 +226,90 @@ __global__ void __launch_bounds__(kBlock)
       g = grad_canvas[(b * channels + c) * plane + (cell - b * plane)];
     }
     grad[e] = g;
+  }
+}
+
+// ------------------------------------------------------------- tiled forward (one launch)
+//
+// pillar_scatter_forward_tiled: the canvas without a cell map in global memory. A block owns a
+// tile of tile_cells neighbouring cells of one sample's plane: (1) its shared map of the tile's
+// cells is set to -1; (2) the block reads every pillar's (batch, y, x) (kTileUnroll rows a
+// thread in flight) and takes atomicMax(shared map[cell], pillar) for the pillars inside its
+// tile (the highest pillar of a cell wins, as in the map path); (3) it writes the tile's C
+// channel planes: a thread per (K cells, kSubChunk channels) (or per channel), consecutive
+// threads on consecutive 16-byte pieces of a plane, zeros without a load for an empty group.
+// One launch instead of three (the map fill and the pillar map were ~5 us of kernels and
+// launch gaps beside a ~12-19 us canvas kernel, H200, 2026-12-01), at the price of every block
+// reading all M pillar rows (from L2 after the first): the host takes it while M * tiles stays
+// within kMaxPillarVisits, else the map path.
+constexpr int kTileThreads = 1024;
+constexpr int kMaxTileCells = 4096;  // the shared map: 16 KB
+constexpr int kTileUnroll = 4;
+constexpr int64_t kMaxPillarVisits = int64_t{1} << 24;
+
+template <typename W, typename I, bool kVectorRows>
+__global__ void __launch_bounds__(kTileThreads, 1)
+    canvas_tile_kernel(const W* __restrict__ feats, const I* __restrict__ coors, int m,
+                       int channels, int batch, int ny, int nx, int tile_cells, int tiles_per_image,
+                       W* __restrict__ canvas) {
+  constexpr int K = Vector16<W>::kCells;
+  constexpr int kSub = kVectorRows ? kSubChunk : 1;
+  __shared__ int tile_map[kMaxTileCells];
+  const int64_t plane = static_cast<int64_t>(ny) * nx;
+  const int tiles = batch * tiles_per_image;  // host: <= INT_MAX
+  const int stride = static_cast<int>(blockDim.x);
+  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int b = t / tiles_per_image;
+    const int64_t t0 = static_cast<int64_t>(t - b * tiles_per_image) * tile_cells;
+    const int len = static_cast<int>(::min(static_cast<int64_t>(tile_cells), plane - t0));
+    for (int i = threadIdx.x; i < len; i += stride) tile_map[i] = -1;
+    __syncthreads();
+    for (int base = threadIdx.x; base < m; base += kTileUnroll * stride) {
+      I rb[kTileUnroll], ry[kTileUnroll], rx[kTileUnroll];
+#pragma unroll
+      for (int u = 0; u < kTileUnroll; ++u) {  // the loads first: kTileUnroll rows in flight
+        const int i = base + u * stride;
+        const I* r = coors + static_cast<int64_t>(i < m ? i : 0) * 4;
+        rb[u] = i < m ? r[0] : I(-1);
+        ry[u] = r[2];
+        rx[u] = r[3];
+      }
+#pragma unroll
+      for (int u = 0; u < kTileUnroll; ++u) {
+        if (rb[u] != b || ry[u] < 0 || ry[u] >= ny || rx[u] < 0 || rx[u] >= nx) continue;
+        const int64_t at = static_cast<int64_t>(ry[u]) * nx + rx[u] - t0;
+        if (at >= 0 && at < len) atomicMax(&tile_map[at], base + u * stride);
+      }
+    }
+    __syncthreads();
+    const int groups = len / K;  // plane % K == 0 and tile_cells % K == 0: whole groups
+    const int chunks = channels / kSub;
+    const int items = groups * chunks;  // <= kMaxTileCells / K * channels: the host checks int
+    W* tile_base = canvas + static_cast<int64_t>(b) * channels * plane + t0;
+    for (int it = threadIdx.x; it < items; it += stride) {
+      const int chunk = it / groups;
+      const int q = it - chunk * groups;
+      int row[K];
+      bool any = false;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int p = tile_map[q * K + k];
+        row[k] = static_cast<unsigned>(p) < static_cast<unsigned>(m) ? p : -1;
+        any |= row[k] >= 0;
+      }
+      W* dst = tile_base + static_cast<int64_t>(chunk) * kSub * plane + q * K;
+      if (!any) {
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          *reinterpret_cast<uint4*>(dst + j * plane) = make_uint4(0, 0, 0, 0);
+        }
+      } else if constexpr (kVectorRows) {
+        store_sub_chunk<W, K>(feats, channels, row, chunk * kSub, dst, plane);
+      } else {
+        store_channel<W, K>(feats, channels, row, chunk, dst);
+      }
+    }
+    __syncthreads();  // the next tile's map reuses the shared memory
   }
 }
 
@@ -324,6 +421,97 @@ void forward(TensorView feats, TensorView coors, TensorView cell_map, TensorView
   }
 }
 
+// The tiled forward's plan: cells per tile (whole warps of K-cell groups, at most
+// kMaxTileCells, about one tile per multiprocessor: a block of kTileThreads is resident alone,
+// and a second tile would repeat the pillar pass) and tiles per sample plane; 0 cells when
+// the tiled forward does not apply (a plane not a multiple of K, or M * tiles beyond
+// kMaxPillarVisits: every block reads all M rows).
+struct TilePlan {
+  int tile_cells = 0, tiles_per_image = 0;
+};
+
+TilePlan tile_plan(int64_t m, int batch, int64_t plane, int cells_per_vector, int device_id) {
+  TilePlan p;
+  const int64_t K = cells_per_vector;
+  if (plane <= 0 || batch <= 0 || plane % K != 0) return p;
+  const int64_t granule = K * 32;
+  const int64_t sms = multiprocessor_count(device_id);
+  const int64_t want = (batch * plane + sms - 1) / sms;
+  const int64_t cells = std::min<int64_t>(
+      std::max<int64_t>((want + granule - 1) / granule * granule, granule), kMaxTileCells);
+  const int64_t per_image = (plane + cells - 1) / cells;
+  if (per_image * batch > INT_MAX || (m + 1) * per_image * batch > kMaxPillarVisits) return p;
+  p.tile_cells = static_cast<int>(cells);
+  p.tiles_per_image = static_cast<int>(per_image);
+  return p;
+}
+
+// The forward in one launch (canvas_tile_kernel) where it applies; false without a launch
+// otherwise (the plan above, a canvas not 16-byte aligned): the caller then runs
+// pillar_scatter_forward with a cell map. pillar_scatter_forward's arguments and checks, less
+// the cell map.
+bool forward_tiled(TensorView feats, TensorView coors, TensorView canvas, int64_t stream) {
+  check_gpu_tensor(feats, "voxel_features");
+  check_float_dtype<Bf16::kBits>(feats, "voxel_features");
+  check_contiguous(feats, "voxel_features");
+  check_ndim(feats, "voxel_features", 2);
+  const int64_t m = feats.size(0);
+  const int64_t channels = feats.size(1);
+  if (m > kMaxPillars) {
+    TVM_FFI_THROW(ValueError) << "voxel_features has " << m << " rows; at most " << kMaxPillars;
+  }
+  check_index_input(coors, "coors", feats);
+  check_ndim(coors, "coors", 2);
+  check_size(coors, "coors", 0, m);
+  check_size(coors, "coors", 1, 4);
+  check_like(canvas, "canvas", feats, "voxel_features");
+  check_ndim(canvas, "canvas", 4);
+  check_size(canvas, "canvas", 1, channels);
+  if (canvas.numel() == 0) return true;
+  const int64_t plane = canvas.size(2) * canvas.size(3);
+  if (canvas.size(0) > INT_MAX || canvas.size(2) > INT_MAX || canvas.size(3) > INT_MAX ||
+      canvas.size(0) * plane > INT_MAX || channels > INT_MAX / kMaxTileCells ||
+      !is_aligned(canvas, 16)) {
+    return false;
+  }
+  const int batch = static_cast<int>(canvas.size(0));
+  const int ny = static_cast<int>(canvas.size(2));
+  const int nx = static_cast<int>(canvas.size(3));
+  const int elem = element_bytes(feats);
+  const int device_id = feats.device().device_id;
+  DeviceGuard guard(device_id);
+  const TilePlan plan = tile_plan(m, batch, plane, 16 / elem, device_id);
+  if (plan.tile_cells == 0) return false;
+  const gpuStream_t st = as_stream(stream);
+  const int tiles = batch * plan.tiles_per_image;
+  const int grid = std::min<int>(tiles, multiprocessor_count(device_id));
+  dispatch_index(coors, "coors", [&](auto itag) {
+    using I = decltype(itag);
+    auto launch = [&](auto word_tag) {
+      using W = decltype(word_tag);
+      auto run = [&](auto rows_tag) {
+        canvas_tile_kernel<W, I, decltype(rows_tag)::value><<<grid, kTileThreads, 0, st>>>(
+            data_of<const W>(feats), data_of<const I>(coors), static_cast<int>(m),
+            static_cast<int>(channels), batch, ny, nx, plan.tile_cells, plan.tiles_per_image,
+            data_of<W>(canvas));
+      };
+      if (vector_rows_enabled() && channels % kSubChunk == 0 &&
+          is_aligned(feats, kSubChunk * sizeof(W))) {
+        run(std::true_type{});
+      } else {
+        run(std::false_type{});
+      }
+      check_launch("pillar canvas_tile_kernel");
+    };
+    if (elem == 4) {
+      launch(uint32_t{});
+    } else {
+      launch(uint16_t{});
+    }
+  });
+  return true;
+}
+
 void backward(TensorView grad_canvas, TensorView coors, TensorView cell_map, TensorView grad,
               int64_t stream) {
   const Canvas k = check_canvas(grad, "grad", coors, grad_canvas, "grad_canvas", cell_map);
@@ -356,3 +544,4 @@ void backward(TensorView grad_canvas, TensorView coors, TensorView cell_map, Ten
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pillar_scatter_forward, muspace::voxel::forward);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pillar_scatter_backward, muspace::voxel::backward);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(pillar_scatter_forward_tiled, muspace::voxel::forward_tiled);

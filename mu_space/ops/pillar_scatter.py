@@ -5,12 +5,14 @@ function's docstring and docs/operators/pillar_scatter.md.
 Native path (csrc/voxel/pillar_scatter_musa.mu): a cell -> pillar map (filled with -1, then
 atomicMax of the pillar index: the last pillar of a cell wins, deterministically), then one
 kernel writing every canvas element (a thread per cell, the channels in coalesced rows: the
-canvas write dominates). Backward: the same map, then each pillar gathers its cell's gradient
-(0 for a pillar that lost its cell or lies outside). No host synchronisation; CUDA-graph
-capturable.
+canvas write dominates); or, where it applies, one launch without the map (TILED below).
+Backward: the same map, then each pillar gathers its cell's gradient (0 for a pillar that lost
+its cell or lies outside). No host synchronisation; CUDA-graph capturable.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -127,14 +129,26 @@ def _cell_map(voxel_features, B, ny, nx):
     return torch.empty(B * ny * nx, dtype=torch.int32, device=voxel_features.device)
 
 
+# The forward in one launch without a cell map (pillar_scatter_forward_tiled: a block per tile
+# of the canvas, its pillars found by a pass over all rows into a shared-memory map), where the
+# entry point takes the sizes; else the map path. Written 2026-12-05 and compiled (nvcc, clang),
+# not yet run on a GPU: `auto` keeps the map path until its GPU tests have passed ("" then);
+# MUSPACE_TRY_UNVERIFIED=1 takes it, MUSPACE_PILLAR_TILED=0 turns it off (A/B timing).
+TILED_UNVERIFIED = "not yet run on a GPU (written 2026-12-05)"
+TILED = os.environ.get("MUSPACE_PILLAR_TILED", "1") != "0"
+
+
 def _forward_native(c, voxel_features, coors, batch_size, output_shape):
     m, C, B, ny, nx = c.info
     feats, coors = voxel_features.contiguous(), coors.contiguous()
     canvas = _opdef.new_output(feats, (B, C, ny, nx))
-    if canvas.numel():
-        native.function("pillar_scatter_forward")(
-            feats, coors, _cell_map(feats, B, ny, nx), canvas, stream_handle(feats)
-        )
+    if not canvas.numel():
+        return canvas
+    st = stream_handle(feats)
+    if TILED and _opdef.step_allowed(TILED_UNVERIFIED):
+        if native.function("pillar_scatter_forward_tiled")(feats, coors, canvas, st):
+            return canvas
+    native.function("pillar_scatter_forward")(feats, coors, _cell_map(feats, B, ny, nx), canvas, st)
     return canvas
 
 
@@ -203,7 +217,11 @@ OP = _opdef.define(
         ),
         supports=_supports,
         native_dtypes=NATIVE_DTYPES,
-        entry_points=("pillar_scatter_forward", "pillar_scatter_backward"),
+        entry_points=(
+            "pillar_scatter_forward",
+            "pillar_scatter_backward",
+            "pillar_scatter_forward_tiled",
+        ),
         samples=_samples,
         upstream="mmdet3d `PointPillarsScatter`",
         models="PointPillars, PointPillars-based CenterPoint (pillar), SECOND-FPN heads on pillars",

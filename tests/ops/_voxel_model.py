@@ -373,6 +373,97 @@ def pillar_canvas(
     return canvas.reshape(B, C, ny, nx), writes.reshape(B, C, ny, nx), K
 
 
+PILLAR_MAX_TILE_CELLS = 4096  # kMaxTileCells
+PILLAR_MAX_VISITS = 1 << 24  # kMaxPillarVisits
+
+
+def pillar_tile_plan(m: int, B: int, plane: int, K: int, sms: int) -> tuple[int, int]:
+    """pillar_scatter_musa.mu's tile_plan: (cells per tile, tiles per sample plane), (0, 0) when
+    the tiled forward does not apply."""
+    if plane <= 0 or B <= 0 or plane % K:
+        return 0, 0
+    granule = K * 32
+    want = -(-(B * plane) // sms)
+    cells = min(max(-(-want // granule) * granule, granule), PILLAR_MAX_TILE_CELLS)
+    per_image = -(-plane // cells)
+    if per_image * B > 2**31 - 1 or (m + 1) * per_image * B > PILLAR_MAX_VISITS:
+        return 0, 0
+    return cells, per_image
+
+
+def pillar_canvas_tiled(
+    feats_bits: np.ndarray,
+    coors: np.ndarray,
+    B: int,
+    ny: int,
+    nx: int,
+    *,
+    tile_cells: int,
+    tiles_per_image: int,
+    grid: int,
+    threads: int,
+    vector_rows: bool,
+    unroll: int = 4,
+    order=None,
+):
+    """pillar_scatter_musa.mu's canvas_tile_kernel, block by block: the shared tile map (-1,
+    then atomicMax over the pillar pass, `unroll` rows a thread, in `order` of the threads'
+    atomics: any order gives the same map), then the items (K cells, kSub channels) of the
+    tile's planes. feats_bits [M, C] raw element words. Returns (canvas words [B, C, ny, nx],
+    stores per element); asserts every 16-byte store aligned (canvas base aligned) and inside
+    one plane, and every shared-map index inside the tile."""
+    m, C = feats_bits.shape
+    plane = ny * nx
+    K = 16 // feats_bits.dtype.itemsize
+    ksub = 4 if vector_rows else 1
+    assert not vector_rows or C % 4 == 0
+    canvas = np.zeros(B * C * plane, dtype=feats_bits.dtype)
+    writes = np.zeros(B * C * plane, dtype=np.int64)
+    zero = feats_bits.dtype.type(0)
+    tiles = B * tiles_per_image
+    rng = np.random.default_rng(0) if order == "random" else None
+    for block in range(min(grid, tiles)):
+        for t in range(block, tiles, grid):
+            b = t // tiles_per_image
+            t0 = (t - b * tiles_per_image) * tile_cells
+            length = min(tile_cells, plane - t0)
+            assert length > 0 and length % K == 0
+            tile_map = np.full(PILLAR_MAX_TILE_CELLS, -1, dtype=np.int64)
+            atomics = []
+            for tid in range(threads):
+                for base in range(tid, m, unroll * threads):
+                    for u in range(unroll):
+                        i = base + u * threads
+                        rb, _, ry, rx = coors[i if i < m else 0]
+                        rb = rb if i < m else -1
+                        if rb != b or not (0 <= ry < ny) or not (0 <= rx < nx):
+                            continue
+                        at = ry * nx + rx - t0
+                        if 0 <= at < length:
+                            atomics.append((at, i))
+            if rng is not None:
+                rng.shuffle(atomics)
+            for at, i in atomics:
+                assert at < PILLAR_MAX_TILE_CELLS
+                tile_map[at] = max(tile_map[at], i)
+            groups = length // K
+            items = groups * (C // ksub)
+            for tid in range(threads):
+                for it in range(tid, items, threads):
+                    chunk, q = divmod(it, groups)
+                    rows = [int(tile_map[q * K + k]) for k in range(K)]
+                    rows = [r if 0 <= r < m else -1 for r in rows]
+                    for j in range(ksub):
+                        c = chunk * ksub + j
+                        off = (b * C + c) * plane + t0 + q * K
+                        assert off % K == 0, "misaligned vector store"
+                        assert off // plane == (off + K - 1) // plane, "across planes"
+                        for k, r in enumerate(rows):
+                            canvas[off + k] = feats_bits[r, c] if r >= 0 else zero
+                            writes[off + k] += 1
+    return canvas.reshape(B, C, ny, nx), writes.reshape(B, C, ny, nx)
+
+
 BITMAP_MAX_POINTS_PER_VOXEL = 1024  # kBitmapMaxPointsPerVoxel
 
 

@@ -296,6 +296,28 @@ def test_benchmark_smoke_run(tmp_path, capsys):
     assert (tmp_path / "pillar_scatter.smoke.json").is_file()
 
 
+def _model_pillars(B, m, C, ny, nx, dtype, *, seed, lowest_batch):
+    """Random pillars for the kernel models: batch ids from lowest_batch to B (B, and -1 when
+    lowest_batch is -1: outside), y / x from -1 to the size (outside at both ends), the rows
+    m/4 .. m/2 repeating the first ones (duplicates: the later row wins); (feats, coors, the
+    features' raw words as numpy uint16 / uint32)."""
+    g = torch.Generator().manual_seed(seed)
+    coors = torch.stack(
+        [
+            torch.randint(lowest_batch, B + 1, (m,), generator=g),
+            torch.zeros(m, dtype=torch.int64),
+            torch.randint(-1, ny + 1, (m,), generator=g),
+            torch.randint(-1, nx + 1, (m,), generator=g),
+        ],
+        dim=1,
+    )
+    q = m // 4
+    coors[q : 2 * q] = coors[:q]
+    feats = torch.randn(m, C, generator=g).to(dtype)
+    bits = feats.view(torch.int16 if dtype == torch.float16 else torch.int32).numpy()
+    return feats, coors, bits.view(np.uint16 if dtype == torch.float16 else np.uint32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize(
     "ny, nx, base, C",
@@ -316,22 +338,9 @@ def test_kernel_model_canvas_vectors_equal_the_oracle(dtype, ny, nx, base, C):
 
     k_vec = 16 // torch.empty((), dtype=dtype).element_size()
     want_k = k_vec if (ny * nx) % k_vec == 0 and base % k_vec == 0 else 1
-    g = torch.Generator().manual_seed(11)
-    B, m = 2, 40
-    coors = torch.stack(
-        [
-            torch.randint(0, B + 1, (m,), generator=g),  # b == B: outside
-            torch.zeros(m, dtype=torch.int64),
-            torch.randint(-1, ny + 1, (m,), generator=g),
-            torch.randint(-1, nx + 1, (m,), generator=g),
-        ],
-        dim=1,
-    )
-    coors[20:30] = coors[:10]  # duplicates: the later row wins
-    feats = torch.randn(m, C, generator=g).to(dtype)
+    B = 2
+    feats, coors, bits = _model_pillars(B, 40, C, ny, nx, dtype, seed=11, lowest_batch=0)
     want, _ = oracle.pillars(feats, coors, B, ny, nx)
-    bits = feats.view(torch.int16 if dtype == torch.float16 else torch.int32).numpy()
-    bits = bits.view(np.uint16 if dtype == torch.float16 else np.uint32)
     for threads, grid_y, grid_z in ((1, 1, 1), (7, 2, 1), (64, 1, 2), (10**4, 65535, 65535)):
         got, writes, k = model.pillar_canvas(
             bits, coors.numpy(), B, ny, nx, threads=threads, base_elems=base, grid_y=grid_y,
@@ -342,3 +351,125 @@ def test_kernel_model_canvas_vectors_equal_the_oracle(dtype, ny, nx, base, C):
         signed = np.int16 if dtype == torch.float16 else np.int32
         canvas = torch.from_numpy(got.view(signed).copy()).view(dtype)
         assert torch.equal(canvas.double(), want), f"threads={threads}"
+
+
+# ---------------------------------------------------------------- the tiled forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("vector_rows", [True, False])
+@pytest.mark.parametrize(
+    "ny, nx, sms, threads, grid",
+    [
+        (8, 16, 2, 32, 2),  # two tiles per plane, a block per tile
+        (6, 8, 1, 7, 1),  # one block walks every tile of both samples; 7 threads (partial rows)
+        (40, 40, 3, 64, 2),  # 1600 cells: partial last tile, more tiles than blocks
+        (4, 4, 4, 256, 4),  # a plane smaller than the granule: one short tile
+    ],
+)
+def test_kernel_model_tiled_canvas_equals_the_oracle(
+    dtype, vector_rows, ny, nx, sms, threads, grid
+):
+    """canvas_tile_kernel (a tile's shared map from a pass over every pillar, then its planes'
+    16-byte stores) under the launcher's tile plan: the oracle's canvas (duplicates: the later
+    row wins; rows of another sample, outside the plane, negative), every element stored once,
+    whatever order the shared-memory atomics run in."""
+    from tests.ops import _voxel_model as model
+
+    K = 16 // torch.empty((), dtype=dtype).element_size()
+    B, m, C = 2, 90, 8
+    feats, coors, bits = _model_pillars(B, m, C, ny, nx, dtype, seed=12, lowest_batch=-1)
+    want, _ = oracle.pillars(feats, coors, B, ny, nx)
+    tile, per_image = model.pillar_tile_plan(m, B, ny * nx, K, sms)
+    assert tile > 0 and tile % (32 * K) == 0
+    signed = np.int16 if dtype == torch.float16 else np.int32
+    for order in (None, "random"):
+        got, writes = model.pillar_canvas_tiled(
+            bits, coors.numpy(), B, ny, nx, tile_cells=tile, tiles_per_image=per_image,
+            grid=grid, threads=threads, vector_rows=vector_rows, order=order,
+        )  # fmt: skip
+        assert (writes == 1).all(), np.unique(writes)
+        canvas = torch.from_numpy(got.view(signed).copy()).view(dtype)
+        assert torch.equal(canvas.double(), want)
+
+
+def test_kernel_model_tile_plan():
+    """The launcher's plan: about one tile per multiprocessor in whole warps of K-cell groups,
+    at most 4096 cells; none for a plane not a multiple of K or too many pillar visits."""
+    from tests.ops import _voxel_model as model
+
+    assert model.pillar_tile_plan(10351, 1, 496 * 432, 4, 132) == (1664, 129)  # KITTI float32
+    assert model.pillar_tile_plan(10351, 1, 496 * 432, 8, 132) == (1792, 120)  # KITTI 16-bit
+    assert model.pillar_tile_plan(21723, 1, 400 * 400, 4, 132) == (1280, 125)  # nuScenes
+    assert model.pillar_tile_plan(100, 1, 50 * 49, 4, 132) == (0, 0)  # 2450 % 4 != 0
+    assert model.pillar_tile_plan(200_000, 8, 400 * 400, 4, 132) == (0, 0)  # 313 tiles x 200k
+    cells, per = model.pillar_tile_plan(40_000, 4, 496 * 432, 8, 132)
+    assert cells == 4096 and per * 4 * 40_001 <= model.PILLAR_MAX_VISITS
+
+
+def _tiled(feats, coors, canvas):
+    from mu_space.runtime import native
+    from mu_space.runtime.device import stream_handle
+
+    fn = native.function("pillar_scatter_forward_tiled")
+    return fn(feats, coors, canvas, stream_handle(feats))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config,B", [("pointpillars-kitti", 1), ("pointpillars-nus", 1), ("tiny-pillars", 3)]
+)
+@pytest.mark.parametrize("channels", [64, 16, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_tiled_forward_equals_the_map_path(config, B, channels, dtype):
+    """pillar_scatter_forward_tiled writes the map path's canvas bit for bit (canvas poisoned
+    first) with duplicates, rows outside the canvas, of another sample or negative; 4-channel
+    vector rows (C = 64 / 16) and one load per channel (C = 6); int32 and int64 coordinates."""
+    device = native_gpu_device()
+    feats, coors, B, (ny, nx) = _pillars(config, B, channels, dtype)
+    if config == "tiny-pillars":  # 50 x 50 is not a multiple of 8 cells: a smaller canvas
+        ny, nx = 48, 50  # (pillars beyond it fall outside)
+    dup = coors.clone()
+    dup[1::5] = dup[::5][: dup[1::5].shape[0]]
+    dup[2::9, 2] = ny
+    dup[3::11, 0] = B
+    dup[4::13, 3] = -1
+    f = feats.to(device)
+    for c in (dup, coors.long()):
+        want = mu_space.pillar_scatter(feats, c, B, (ny, nx), backend="reference")
+        canvas = torch.full((B, channels, ny, nx), float("nan"), dtype=dtype, device=device)
+        assert _tiled(f, c.to(device), canvas) is True
+        assert torch.equal(canvas.cpu(), want)
+
+
+@pytest.mark.gpu
+def test_native_tiled_forward_hands_back_and_the_op_takes_it(monkeypatch):
+    """The tiled entry point returns False without writing where its plan does not apply (a
+    plane not a multiple of K, a canvas not 16-byte aligned, too many pillar visits); the op
+    takes it once allowed (TILED_UNVERIFIED, MUSPACE_TRY_UNVERIFIED=1) and its result is the
+    reference's; MUSPACE_PILLAR_TILED=0 (TILED) keeps the map path."""
+    from tests.helpers import recording_entry_points
+
+    ps = sys.modules["mu_space.ops.pillar_scatter"]
+    device = native_gpu_device()
+    feats, coors, B, (ny, nx) = _pillars("tiny-pillars", 2, 16)
+    f, c = feats.to(device), coors.to(device)
+    odd = torch.full((B, 16, 49, 51), float("nan"), device=device)
+    assert _tiled(f, c, odd) is False and odd.isnan().all()
+    buf = torch.full((B * 16 * ny * nx + 1,), float("nan"), device=device)
+    unaligned = buf[1:].view(B, 16, ny, nx)
+    assert _tiled(f, c, unaligned) is False and unaligned.isnan().all()
+    many = torch.zeros((2**24 // 8, 4), dtype=torch.int32, device=device)  # 2M rows, 9+ tiles
+    big = torch.full((1, 2, 512, 512), float("nan"), device=device)
+    assert _tiled(torch.zeros(many.shape[0], 2, device=device), many, big) is False
+    monkeypatch.setattr(ps, "TILED_UNVERIFIED", "")
+    names = recording_entry_points(monkeypatch)
+    want = mu_space.pillar_scatter(feats, coors, B, (ny, nx), backend="reference")
+    with _opdef.poisoned_outputs():
+        got = mu_space.pillar_scatter(f, c, B, (ny, nx), backend="native")
+    assert names == ["pillar_scatter_forward_tiled"] and torch.equal(got.cpu(), want)
+    names.clear()
+    monkeypatch.setattr(ps, "TILED", False)
+    with _opdef.poisoned_outputs():
+        got = mu_space.pillar_scatter(f, c, B, (ny, nx), backend="native")
+    assert names == ["pillar_scatter_forward"] and torch.equal(got.cpu(), want)

@@ -32,6 +32,7 @@ ENTRY_POINTS = (
     "dynamic_scatter_bitmap_forward",
     "pillar_scatter_forward",
     "pillar_scatter_backward",
+    "pillar_scatter_forward_tiled",
 )
 
 
@@ -206,6 +207,32 @@ def test_pillar_entry_points_accept_the_python_arguments(calls, dtype):
     with pytest.raises(ReachedRuntime):
         op.d.backward.native(c, grad, *schema, needs=(True,), deterministic=False)
     assert calls == ["pillar_scatter_forward", "pillar_scatter_backward"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tiled_pillar_forward_accepts_the_python_arguments(calls, dtype, monkeypatch):
+    """Once allowed (TILED_UNVERIFIED, MUSPACE_TRY_UNVERIFIED=1) the forward calls the tiled
+    entry point (no cell map) with the arguments its checks accept; MUSPACE_PILLAR_TILED=0 or an
+    unverified mark without the variable keep pillar_scatter_forward."""
+    ps = sys.modules["mu_space.ops.pillar_scatter"]
+    monkeypatch.setattr(ps, "TILED_UNVERIFIED", "not run on a GPU yet")
+    s = ps._samples(torch.device("cpu"))[0]
+    feats, coors, B, shape = s.args
+    for env, tiled, want in (
+        ("1", True, "pillar_scatter_forward_tiled"),
+        ("1", False, "pillar_scatter_forward"),
+        (None, True, "pillar_scatter_forward"),
+    ):
+        calls.clear()
+        with monkeypatch.context() as m:
+            if env is None:
+                m.delenv("MUSPACE_TRY_UNVERIFIED", raising=False)
+            else:
+                m.setenv("MUSPACE_TRY_UNVERIFIED", env)
+            m.setattr(ps, "TILED", tiled)
+            with pytest.raises(ReachedRuntime):
+                _native("pillar_scatter", feats.to(dtype), coors, B, shape)
+        assert calls == [want]
 
 
 def test_new_outputs_are_what_the_kernels_fill(calls, monkeypatch):

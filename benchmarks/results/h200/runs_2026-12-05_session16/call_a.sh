@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Prepared in session 16 (no device machine was lent that session: NOT RUN yet). The first of
 # two calls that verify the native changes not yet run on a GPU: the packed SubM table (d9a1f4e),
-# dynamic_scatter's one-call forward (dynamic_scatter_bitmap_forward, session 16) and the
-# composition dynamic_scatter_padded (session 16). All are
+# dynamic_scatter's one-call forward (dynamic_scatter_bitmap_forward, session 16), the
+# composition dynamic_scatter_padded and pillar_scatter's one-launch forward
+# (pillar_scatter_forward_tiled; both session 16). All are
 # behind their UNVERIFIED marks, so every stage here runs with MUSPACE_TRY_UNVERIFIED=1:
 #   the whole LiDAR GPU suite (every LiDAR op file, contracts, strict self-check);
-#   memcheck / racecheck of the rule-book tests and of the fused-forward tests;
+#   memcheck / racecheck of the rule-book tests, the fused-forward / padded tests and the tiled
+#   pillar tests;
 #   the rule-book probe (both tables, mirror on / off, spconv beside);
 #   dynamic_scatter's forward at centerpoint-0075-nus, one-call vs the parts
 #   (MUSPACE_DYNAMIC_SCATTER_FUSED=0), each twice, alternating; dynamic_scatter_padded's forward
@@ -24,7 +26,7 @@ trap 'tar -czf $F/a.tar.gz -C $F/w . ; rm -rf $F/w' EXIT
 t0=$(date +%s)
 STAGE_LIMIT=200 OUT=$F/w/check bash scripts/lidar_gpu_session.sh check 2>&1 | tail -7
 echo "check done $(( $(date +%s) - t0 )) s"
-SANITIZE_JOBS="memcheck:sparse_rulebook racecheck:sparse_rulebook memcheck:scatter_fused_padded racecheck:scatter_fused_padded" \
+SANITIZE_JOBS="memcheck:sparse_rulebook racecheck:sparse_rulebook memcheck:scatter_fused_padded racecheck:scatter_fused_padded memcheck:pillar_tiled racecheck:pillar_tiled" \
   SANITIZER_LIMIT=100 OUT=$F/w/san bash scripts/lidar_gpu_session.sh sanitize 2>&1 | tail -6
 echo "sanitize done $(( $(date +%s) - t0 )) s"
 PYTHONPATH=/tmp/peers:$PYTHONPATH timeout 90 python3 benchmarks/results/h200/runs_2026-12-05_session15/rb_probe6.py > $F/w/rb_probe6.txt 2>&1; grep -E "^(==|--|native|voxels)|Error|error" $F/w/rb_probe6.txt | head -40
