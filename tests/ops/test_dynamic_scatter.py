@@ -665,7 +665,7 @@ def _launching(names):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["centerpoint-0075-nus", "tiny-voxels"])
 @pytest.mark.parametrize("reduce", ["max", "sum", "mean"])
-@pytest.mark.parametrize("channels", [4, 5, 8, 64])
+@pytest.mark.parametrize("channels", [4, 5, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_native_fused_forward_equals_the_parts(config, reduce, channels, dtype, monkeypatch):
     """The one-call forward (dynamic_scatter_bitmap_forward: the reduction queued before the
@@ -673,7 +673,8 @@ def test_native_fused_forward_equals_the_parts(config, reduce, channels, dtype, 
     same float32 arithmetic in the same row order; max without its row tracking: the first row's
     zero among -0.0 / +0.0 ties, NaN and -inf rows included), and the reference within the op's
     tolerance (NaN where it has NaN).
-    16-byte and per-element kernels (C = 4 / 8 / 64 against 5 and the 16-bit piece size)."""
+    16-byte and per-element kernels (C = 4: 16-byte float32, per element 16-bit; 5: per element;
+    64: 16-byte)."""
     device = native_gpu_device()
     vs, pcr, _, _ = lidar.layer_args(config)
     pts = lidar.VOXEL_CONFIGS[config].points()
