@@ -31,7 +31,7 @@ SANITIZE_JOBS="memcheck:sparse_rulebook racecheck:sparse_rulebook memcheck:scatt
 echo "sanitize done $(( $(date +%s) - t0 )) s"
 ds() {  # ds LABEL ARGS...: the forward cases of dynamic_scatter at centerpoint-0075-nus
   local label=$1; shift
-  [ $(( $(date +%s) - t0 )) -gt 545 ] && return
+  [ $(( $(date +%s) - t0 )) -gt 530 ] && return
   timeout 45 python3 -m benchmarks.bench_dynamic_scatter --quick --reps 100 --no-write "$@" > $F/w/ds_$label.txt 2>&1
   echo "== dynamic_scatter $label"; grep -E "forward" $F/w/ds_$label.txt | cut -c1-150
 }

@@ -19,6 +19,7 @@ SPCONV=1 BENCH_LIMIT=220 PROFILE_LIMIT=80 BENCH_ARGS="--quick --reps 100" OUT=$F
 echo "bench done $(( $(date +%s) - t0 )) s"
 for round in 1 2; do  # pillar_scatter: the tiled forward (TILED) against the map path
   for tiled in 1 0; do
+    [ $(( $(date +%s) - t0 )) -gt 520 ] && break 2
     MUSPACE_PILLAR_TILED=$tiled timeout 45 python3 -m benchmarks.bench_pillar_scatter --quick --reps 100 --no-write \
       > $F/w/pillar_tiled${tiled}_r$round.txt 2>&1
     echo "== pillar_scatter, tiled=$tiled, round $round"; grep -E "forward-float(32|16) " $F/w/pillar_tiled${tiled}_r$round.txt | cut -c1-150
