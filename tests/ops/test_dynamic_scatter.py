@@ -716,9 +716,7 @@ def test_native_fused_forward_unaligned_feats_hand_backs_and_gradients(monkeypat
     unaligned = buf[1:].view(feats.shape)
     unaligned.copy_(feats.to(device))
     assert unaligned.data_ptr() % 16 != 0
-    fused, parts, names, _ = _fused_and_parts(
-        unaligned, coors.to(device), "mean", device, monkeypatch
-    )
+    fused, parts, names, _ = _fused_and_parts(unaligned, coors.to(device), "mean", monkeypatch)
     assert "dynamic_scatter_bitmap_forward" in names
     assert torch.equal(_bits(fused[0]), _bits(parts[0])) and torch.equal(fused[1], parts[1])
 

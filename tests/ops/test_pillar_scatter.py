@@ -467,7 +467,8 @@ def test_native_tiled_forward_hands_back_and_the_op_takes_it(monkeypatch):
     want = mu_space.pillar_scatter(feats, coors, B, (ny, nx), backend="reference")
     with _opdef.poisoned_outputs():
         got = mu_space.pillar_scatter(f, c, B, (ny, nx), backend="native")
-    assert names == ["pillar_scatter_forward_tiled"] and torch.equal(got.cpu(), want)
+    launched = [n for n in names if n != "muspace_build_facts"]  # (read once per library)
+    assert launched == ["pillar_scatter_forward_tiled"] and torch.equal(got.cpu(), want)
     names.clear()
     monkeypatch.setattr(ps, "TILED", False)
     with _opdef.poisoned_outputs():
