@@ -167,7 +167,7 @@ group_k() {
     scatter_b) echo "not dtype0 and not dtype1" ;;
     scatter_small) echo "not centerpoint and not pointpillars-nus" ;;
     # dynamic_scatter's one-call forward and dynamic_scatter_padded (small-cloud tests)
-    scatter_fused_padded) echo "(fused or padded) and not centerpoint" ;;
+    scatter_fused_padded) echo "(fused or padded) and not centerpoint and not graph" ;;
     pillar_tiled) echo "tiled" ;;  # pillar_scatter's one-launch forward
     # the nms3d cases a 240-s racecheck run had not reached (H200, 2026-12-01)
     nms_rest) echo "box_limit or workspace or visits" ;;
