@@ -26,7 +26,7 @@ trap 'tar -czf $F/a.tar.gz -C $F/w . ; rm -rf $F/w' EXIT
 t0=$(date +%s)
 STAGE_LIMIT=260 OUT=$F/w/check bash scripts/lidar_gpu_session.sh check 2>&1 | tail -7
 echo "check done $(( $(date +%s) - t0 )) s"
-SANITIZE_JOBS="memcheck:sparse_rulebook racecheck:sparse_rulebook memcheck:scatter_fused_padded racecheck:scatter_fused_padded memcheck:pillar_tiled racecheck:pillar_tiled" \
+SANITIZE_JOBS="memcheck:sparse_rulebook racecheck:sparse_rulebook memcheck:scatter_fused_padded racecheck:scatter_fused_padded memcheck:pillar_tiled racecheck:pillar_tiled_small" \
   SANITIZER_LIMIT=100 OUT=$F/w/san bash scripts/lidar_gpu_session.sh sanitize 2>&1 | tail -6
 echo "sanitize done $(( $(date +%s) - t0 )) s"
 ds() {  # ds LABEL ARGS...: the forward cases of dynamic_scatter at centerpoint-0075-nus
