@@ -323,26 +323,40 @@ struct Canvas {
 };
 
 // feats-like [M, C] float (16 / 32 bit), coors [M, 4] int32 / int64, the canvas-like [B, C, ny,
-// nx] of feats' dtype, the cell map [B * ny * nx] int32.
-Canvas check_canvas(const TensorView& feats, const char* feats_name, const TensorView& coors,
-                    const TensorView& canvas, const char* canvas_name, const TensorView& cell_map) {
+// nx] of feats' dtype -> (M, C) (the arguments of both forwards and of the backward).
+struct Pillars {
+  int64_t m, channels;
+};
+
+Pillars check_pillars(const TensorView& feats, const char* feats_name, const TensorView& coors,
+                      const TensorView& canvas, const char* canvas_name) {
   check_gpu_tensor(feats, feats_name);
   check_float_dtype<Bf16::kBits>(feats, feats_name);
   check_contiguous(feats, feats_name);
   check_ndim(feats, feats_name, 2);
-  Canvas k;
-  k.m = feats.size(0);
-  k.channels = feats.size(1);
-  if (k.m > kMaxPillars) {
-    TVM_FFI_THROW(ValueError) << feats_name << " has " << k.m << " rows; at most " << kMaxPillars;
+  Pillars p;
+  p.m = feats.size(0);
+  p.channels = feats.size(1);
+  if (p.m > kMaxPillars) {
+    TVM_FFI_THROW(ValueError) << feats_name << " has " << p.m << " rows; at most " << kMaxPillars;
   }
   check_index_input(coors, "coors", feats);
   check_ndim(coors, "coors", 2);
-  check_size(coors, "coors", 0, k.m);
+  check_size(coors, "coors", 0, p.m);
   check_size(coors, "coors", 1, 4);
   check_like(canvas, canvas_name, feats, feats_name);
   check_ndim(canvas, canvas_name, 4);
-  check_size(canvas, canvas_name, 1, k.channels);
+  check_size(canvas, canvas_name, 1, p.channels);
+  return p;
+}
+
+// check_pillars, and the cell map [B * ny * nx] int32.
+Canvas check_canvas(const TensorView& feats, const char* feats_name, const TensorView& coors,
+                    const TensorView& canvas, const char* canvas_name, const TensorView& cell_map) {
+  const Pillars p = check_pillars(feats, feats_name, coors, canvas, canvas_name);
+  Canvas k;
+  k.m = p.m;
+  k.channels = p.channels;
   const int64_t cells = canvas.size(0) * canvas.size(2) * canvas.size(3);
   if (cells > INT_MAX) {
     TVM_FFI_THROW(ValueError) << canvas_name << ": B*ny*nx = " << cells
@@ -451,22 +465,8 @@ TilePlan tile_plan(int64_t m, int batch, int64_t plane, int cells_per_vector, in
 // pillar_scatter_forward with a cell map. pillar_scatter_forward's arguments and checks, less
 // the cell map.
 bool forward_tiled(TensorView feats, TensorView coors, TensorView canvas, int64_t stream) {
-  check_gpu_tensor(feats, "voxel_features");
-  check_float_dtype<Bf16::kBits>(feats, "voxel_features");
-  check_contiguous(feats, "voxel_features");
-  check_ndim(feats, "voxel_features", 2);
-  const int64_t m = feats.size(0);
-  const int64_t channels = feats.size(1);
-  if (m > kMaxPillars) {
-    TVM_FFI_THROW(ValueError) << "voxel_features has " << m << " rows; at most " << kMaxPillars;
-  }
-  check_index_input(coors, "coors", feats);
-  check_ndim(coors, "coors", 2);
-  check_size(coors, "coors", 0, m);
-  check_size(coors, "coors", 1, 4);
-  check_like(canvas, "canvas", feats, "voxel_features");
-  check_ndim(canvas, "canvas", 4);
-  check_size(canvas, "canvas", 1, channels);
+  const Pillars p = check_pillars(feats, "voxel_features", coors, canvas, "canvas");
+  const int64_t m = p.m, channels = p.channels;  // (lambdas below: no structured bindings)
   if (canvas.numel() == 0) return true;
   const int64_t plane = canvas.size(2) * canvas.size(3);
   if (canvas.size(0) > INT_MAX || canvas.size(2) > INT_MAX || canvas.size(3) > INT_MAX ||

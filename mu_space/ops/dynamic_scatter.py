@@ -157,7 +157,8 @@ def voxel_group_reference(coors) -> VoxelGroups:
     )  # fmt: skip
 
 
-def _group_supports(c: _opdef.Checked) -> str | None:
+def group_supports(c: _opdef.Checked) -> str | None:
+    """Why the native groupings cannot take these coordinates (None when they can)."""
     n, ndim = c.info
     if ndim > MAX_NATIVE_NDIM:
         return f"coors with {ndim} columns: the native kernels take at most {MAX_NATIVE_NDIM}"
@@ -195,10 +196,10 @@ def _cut_groups(outputs, packed: int) -> VoxelGroups:
     )  # fmt: skip
 
 
-def _group_sort_native(coors, outputs) -> VoxelGroups:
-    """The sort grouping into `outputs` (_group_outputs)."""
+def launch_sort_grouping(coors, outputs) -> torch.Tensor:
+    """The sort grouping's launches into `outputs` (_group_outputs: N entries each) -> its
+    header [3] int64 (M, K, overflow) on the device; no host synchronisation."""
     n = coors.shape[0]
-    voxel_coors, order, starts, counts, p2v = outputs
     st = stream_handle(coors)
     header = _opdef.new_output(coors, (3,), torch.int64)
     ints = int(native.function("voxel_group_workspace_ints")(n))
@@ -209,8 +210,15 @@ def _group_sort_native(coors, outputs) -> VoxelGroups:
     # same stream, in place of the kernels' own 3-pass radix sort (module docstring)
     sorted_keys, perm = torch.sort(keys, stable=True)
     native.function("voxel_group_from_sorted")(
-        coors, workspace, sorted_keys, perm, voxel_coors, order, starts, counts, p2v, header, st
+        coors, workspace, sorted_keys, perm, *outputs, header, st
     )
+    return header
+
+
+def _group_sort_native(coors, outputs) -> VoxelGroups:
+    """The sort grouping into `outputs` (_group_outputs)."""
+    voxel_coors, order, starts, counts, p2v = outputs
+    header = launch_sort_grouping(coors, outputs)
     m, k, overflow = header.tolist()  # the one host synchronisation: the voxel count
     if overflow:
         # the coordinates' value range does not fit the kernels' int32 keys (prod of the
@@ -286,7 +294,7 @@ GROUP = _opdef.define(
         reference=voxel_group_reference,
         native=_group_native,
         fake=_group_fake,
-        supports=_group_supports,
+        supports=group_supports,
         result=VoxelGroups,
         native_dtypes=(torch.int32, torch.int64),
         entry_points=GROUP_ENTRY_POINTS,

@@ -17,8 +17,6 @@ import torch
 
 from mu_space.ops import _opdef
 from mu_space.ops import dynamic_scatter as ds
-from mu_space.runtime import native
-from mu_space.runtime.device import stream_handle
 
 # Composed of kernels verified on the H200 (voxel_group_keys, the platform's sort,
 # voxel_group_from_sorted, segment_reduce_forward / _backward), used here with padded groupings
@@ -76,15 +74,6 @@ def voxel_group_padded_reference(coors) -> PaddedGroups:
     )  # fmt: skip
 
 
-def _group_supports(c: _opdef.Checked) -> str | None:
-    n, ndim = c.info
-    if ndim > ds.MAX_NATIVE_NDIM:
-        return f"coors with {ndim} columns: the native kernels take at most {ds.MAX_NATIVE_NDIM}"
-    if n > (limit := native.limit("voxel_group.max_points")):
-        return f"{n} rows exceed the native kernels' limit of {limit}"
-    return None
-
-
 def _group_precondition(coors) -> str | None:
     valid = coors[(coors >= 0).all(1)].long()
     if valid.numel() == 0:
@@ -105,22 +94,13 @@ def _group_native(c, coors) -> PaddedGroups:
         return voxel_group_padded_reference(coors)
     coors = coors.contiguous()
     dev = coors.device
-    st = stream_handle(coors)
     # what the kernels leave unwritten is the padding: voxel_coors rows and order positions
     # beyond M / K (-1), starts and counts beyond M (0); point2voxel is written for every row
     voxel_coors = torch.full((n, ndim), -1, dtype=coors.dtype, device=dev)
     order = torch.full((n,), -1, dtype=torch.int32, device=dev)
     starts, counts = torch.zeros((2, n), dtype=torch.int32, device=dev).unbind(0)
     p2v = _opdef.new_output(coors, (n,), torch.int32)
-    header = _opdef.new_output(coors, (3,), torch.int64)
-    ints = int(native.function("voxel_group_workspace_ints")(n))
-    workspace = torch.empty(ints, dtype=torch.int32, device=dev)
-    keys = torch.empty(n, dtype=torch.int32, device=dev)
-    native.function("voxel_group_keys")(coors, workspace, keys, st)
-    sorted_keys, perm = torch.sort(keys, stable=True)
-    native.function("voxel_group_from_sorted")(
-        coors, workspace, sorted_keys, perm, voxel_coors, order, starts, counts, p2v, header, st
-    )
+    header = ds.launch_sort_grouping(coors, (voxel_coors, order, starts, counts, p2v))
     # on an overflow the kernels keep every row out (all keys the sentinel): M = 0
     voxel_num = torch.where(header[2] != 0, -1, header[0])
     return PaddedGroups(voxel_coors, order, starts, counts, p2v, voxel_num)
@@ -138,7 +118,7 @@ GROUP = _opdef.define(
         check=_group_check,
         reference=voxel_group_padded_reference,
         native=_group_native,
-        supports=_group_supports,
+        supports=ds.group_supports,
         precondition=_group_precondition,
         result=PaddedGroups,
         native_dtypes=(torch.int32, torch.int64),

@@ -48,7 +48,7 @@ def calls(library, monkeypatch):
     reached = relabelling(
         library, monkeypatch, continue_after=("voxel_group_keys", "voxel_hard_keys")
     )
-    for mod in ("_voxel", "dynamic_scatter", "dynamic_scatter_padded", "pillar_scatter"):
+    for mod in ("_voxel", "dynamic_scatter", "pillar_scatter"):
         monkeypatch.setattr(sys.modules[f"mu_space.ops.{mod}"], "stream_handle", lambda t: 0)
     return reached
 
