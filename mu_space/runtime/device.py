@@ -17,7 +17,11 @@ def _musa_stream(index: int) -> int:  # torch_musa registers the `musa` device t
     return torch.musa.current_stream(index).musa_stream
 
 
-_STREAM_GETTERS = {"cuda": _cuda_stream, "musa": _musa_stream}
+def _no_stream(index: int) -> int:  # CPU tensors: the host emulation's launches are synchronous
+    return 0
+
+
+_STREAM_GETTERS = {"cuda": _cuda_stream, "musa": _musa_stream, "cpu": _no_stream}
 
 
 def stream_handle(tensor: torch.Tensor) -> int:

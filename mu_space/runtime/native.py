@@ -18,6 +18,9 @@ import torch
 LIB_DIR = Path(__file__).resolve().parent.parent / "_lib"
 LIBRARY_FILE = "libmuspace_native.so"
 BUILD_INFO_FILE = "build_info.json"
+# The backend of a library built by scripts/build_host_emulation.py: its kernels run on CPU
+# tensors (tests of the kernel source without a GPU).
+HOST_EMULATION = "host-emulation"
 
 
 class NativeUnavailable(RuntimeError):
@@ -28,7 +31,7 @@ class NativeUnavailable(RuntimeError):
 class NativeStatus:
     built: bool
     loaded: bool
-    backend: str | None = None  # "cuda" | "musa"
+    backend: str | None = None  # "cuda" | "musa" | HOST_EMULATION
     archs: list[str] = field(default_factory=list)
     tvm_ffi_built: str | None = None
     tvm_ffi_runtime: str | None = None
@@ -175,6 +178,10 @@ def _compute_reason(device: torch.device) -> str | None:
     st = status()
     if not st.loaded:
         return st.reason
+    if st.backend == HOST_EMULATION:  # the kernels on the CPU (docs/host_emulation.md)
+        if device.type == "cpu":
+            return None
+        return f"the native library is a host emulation; tensors are on {device.type}"
     if device.type not in ("cuda", "musa"):
         return f"tensors are on {device.type}; native kernels run on {st.backend} devices"
     if device.type != st.backend:
