@@ -3,6 +3,7 @@ explicit bound, poisoned buffers, GPU selection. Tolerances live in mu_space.tes
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -31,8 +32,15 @@ def poisoned(shape, dtype, device) -> torch.Tensor:
     return t.fill_(float("nan") if dtype.is_floating_point else -1)
 
 
-def native_gpu_device() -> torch.device:
-    """The first CUDA device when the native library can run there, else skip the test."""
+def native_gpu_device(too_large_to_emulate: bool = False) -> torch.device:
+    """The first CUDA device when the native library can run there, else skip the test. With a
+    host-emulation library (MUSPACE_LIBRARY, docs/host_emulation.md) the CPU: the GPU tests
+    then run the kernel source on the CPU, except those marked too large to emulate (gigabytes
+    of tensors, or millions of threads)."""
+    if emulated():
+        if too_large_to_emulate:
+            pytest.skip("too large for the host emulation (a GPU test only)")
+        return torch.device("cpu")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     device = torch.device("cuda", 0)
@@ -42,11 +50,34 @@ def native_gpu_device() -> torch.device:
     return device
 
 
+def emulated() -> bool:
+    """Whether the loaded native library is a host emulation (its kernels run on CPU tensors)."""
+    st = native.status()
+    return st.loaded and st.backend == native.HOST_EMULATION
+
+
+@contextlib.contextmanager
+def forbid_host_sync(device: torch.device):
+    """Inside: any torch synchronisation with `device` raises (CUDA's sync debug mode). Under
+    the host emulation (CPU tensors) there is nothing to synchronise: no check."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def graph_capture_device() -> torch.device:
     """native_gpu_device() for a CUDA-graph capture test. Skips under
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 (the sanitizer memcheck runs): every allocation is then a
     cudaMalloc, which stream capture forbids (seen on the H200, 2026-12-01: error 900 inside
     torch's allocator, not in a muSPACE call)."""
+    if emulated():
+        pytest.skip("CUDA graph capture needs a GPU (the native library is a host emulation)")
     if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1":
         pytest.skip(
             "CUDA graph capture needs the caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1)"

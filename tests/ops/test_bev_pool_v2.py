@@ -1306,7 +1306,7 @@ def test_native_padded_ranks_forward_and_backward(config, deterministic):
     runs = []
     for prepare in (bev_pool_prepare_padded, bev_pool_prepare):
         r = prepare(coor, *grid, backend="native")
-        depth, feat = (g[k].to(device).requires_grad_(True) for k in ("depth", "feat"))
+        depth, feat = (g[k].to(device, copy=True).requires_grad_(True) for k in ("depth", "feat"))
         torch.use_deterministic_algorithms(deterministic)
         try:
             out = bev_pool_v2(depth, feat, *r.bev_pool_v2_args(shape), backend="native")

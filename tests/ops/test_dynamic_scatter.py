@@ -342,7 +342,7 @@ def test_native_matches_reference(config, reduce, channels, dtype):
     g = torch.Generator().manual_seed(3)
     feats = (pts if channels == 5 else torch.randn(pts.shape[0], channels, generator=g)).to(dtype)
     want, want_c = mu_space.dynamic_scatter(feats, coors, reduce, backend="reference")
-    f = feats.to(device).requires_grad_(True)
+    f = feats.to(device, copy=True).requires_grad_(True)
     with _opdef.poisoned_outputs():  # NaN / -1 in every native output: all must be written
         got, got_c = mu_space.dynamic_scatter(f, coors.to(device), reduce, backend="native")
     assert torch.equal(got_c.cpu(), want_c)
@@ -605,9 +605,11 @@ def test_native_max_backward_takes_the_saved_argmax(channels, monkeypatch):
     dc = coors.to(device)
     ds.SAVED_ARGMAX.clear()
     mu_space.dynamic_scatter(feats.to(device), dc, "max", backend="native")
-    mu_space.dynamic_scatter(feats.to(device).requires_grad_(True), dc, "mean", backend="native")
+    mu_space.dynamic_scatter(
+        feats.to(device, copy=True).requires_grad_(True), dc, "mean", backend="native"
+    )
     assert len(ds.SAVED_ARGMAX._entries) == 0
-    f = feats.to(device).requires_grad_(True)
+    f = feats.to(device, copy=True).requires_grad_(True)
     with _opdef.poisoned_outputs():
         out, _ = mu_space.dynamic_scatter(f, dc, "max", backend="native")
     assert len(ds.SAVED_ARGMAX._entries) == 1
@@ -743,7 +745,7 @@ def test_native_fused_forward_unaligned_feats_hand_backs_and_gradients(monkeypat
 
     monkeypatch.setattr(ds, "FUSED_FORWARD_UNVERIFIED", "")
     names = recording_entry_points(monkeypatch)
-    f = feats.to(device).requires_grad_(True)
+    f = feats.to(device, copy=True).requires_grad_(True)
     out, _ = mu_space.dynamic_scatter(f, coors.to(device), "max", backend="native")
     assert "dynamic_scatter_bitmap_forward" not in names and "segment_reduce_forward" in names
     out.sum().backward()

@@ -267,7 +267,7 @@ def test_native_backward_channel_groups(channels, dtype):
     rois, pts = rois.to(device), pts.to(device)
     g = torch.Generator().manual_seed(channels)
     for mode in ("max", "avg"):
-        f = feats.to(device).requires_grad_(True)
+        f = feats.to(device, copy=True).requires_grad_(True)
         host_in = feats.clone().requires_grad_(True)
         out = roiaware_pool3d(rois, pts, f, (5, 4, 3), 64, mode, backend="native")
         grad = torch.randn(out.shape, generator=g)
@@ -296,7 +296,7 @@ def test_native_max_backward_with_and_without_the_saved_argmax(channels):
     (want_g,) = torch.autograd.grad(want, host, grad)
     got = []
     for saved in (True, False):
-        f = feats.to(device).requires_grad_(True)
+        f = feats.to(device, copy=True).requires_grad_(True)
         out = roiaware_pool3d(rois, pts, f, (5, 4, 3), 64, "max", backend="native")
         assert len(ra.SAVED_ARGMAX._entries) > 0
         if not saved:

@@ -24,7 +24,7 @@ from mu_space.ops.sparse_conv import sparse_conv
 from mu_space.ops.sparse_maxpool import sparse_maxpool
 from mu_space.ops.sparse_rulebook import sparse_rulebook
 from mu_space.testing import lidar, tolerances
-from tests.helpers import native_gpu_device
+from tests.helpers import forbid_host_sync, native_gpu_device
 
 CONFIG = "centerpoint-0075-nus"
 SPARSE_SHAPE = [41, 1440, 1440]  # CenterPoint's SparseEncoder: grid z 40 + 1
@@ -204,8 +204,9 @@ def test_rulebook_order_of_the_input_rows_only_permutes_subm():
 
 
 def _feats(n, c, dtype, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(n, c, device="cuda", generator=gen).to(dtype)
+    device = native_gpu_device()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(n, c, device=device, generator=gen).to(dtype)
 
 
 CONVS = [
@@ -359,15 +360,11 @@ def test_im2col_conv_of_a_native_rule_book_does_not_synchronise(layer, dtype):
     c = conv_module._check(x, w, *args)
     g = _feats(args[2], 16, dtype, 15)
     _sparse_native.gemm_dtype(x)  # the one-time probe of torch.mm's out_dtype, outside
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
-    try:
+    with forbid_host_sync(x.device):
         out = _sparse_native.conv_native(c, x, w, *args)
         grads = _sparse_native.conv_backward_native(
             c, g, x, w, *args, needs=(True, True), deterministic=True
         )
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert _took_im2col(args, len(x))
     want = conv_module.sparse_conv_reference(x, w, *args)
     tolerances.assert_close(out, want, op="sparse_conv")
@@ -910,12 +907,8 @@ def test_subm_rule_book_over_a_rule_books_sites_does_not_synchronise(first):
     rulebooks = [(sites, shape)]
     if first == "subm k3":
         rulebooks.append((idx, SPARSE_SHAPE))  # the checked input itself (a SubM layer's output)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
-    try:
+    with forbid_host_sync(idx.device):
         got = [_rulebook(t, batch, "subm k3", "native", s) for t, s in rulebooks]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for (t, s), rb_native in zip(rulebooks, got):
         want = _rulebook(t, batch, "subm k3", "reference", s)
         for a, b in zip(rb_native, want):
@@ -929,12 +922,8 @@ def test_subm_rule_book_over_fresh_sites_reads_its_flags_inside_its_one_entry_po
     the reference's error through the same entry point."""
     idx, batch = lidar_indices(keep=4000)
     fresh = idx.clone()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # a torch synchronisation (tolist, item) raises
-    try:
+    with forbid_host_sync(idx.device):  # a torch synchronisation (tolist, item) raises
         got = _rulebook(fresh, batch, "subm k3", "native")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for a, b in zip(got, _rulebook(fresh, batch, "subm k3", "reference")):
         assert torch.equal(a, b)
     outside = idx.clone()
