@@ -195,7 +195,7 @@ SUBM_MIRROR = os.environ.get("MUSPACE_SPARSE_RULEBOOK_MIRROR", "1") != "0"
 # cells. Written 2026-12-05 and compiled (nvcc, clang), not yet run on a GPU (that session's
 # second device call was refused): `auto` keeps the int64-key table until it has passed the GPU
 # suite, memcheck and racecheck ("" then); MUSPACE_TRY_UNVERIFIED=1 takes it.
-PACKED_TABLE_UNVERIFIED = "not yet run on a GPU (written 2026-12-05)"
+PACKED_TABLE_UNVERIFIED = "not yet run on a GPU (its GPU tests pass on the host emulation)"
 
 
 def packed_table_allowed() -> bool:

@@ -610,7 +610,7 @@ def dynamic_scatter_reference(feats, coors, reduce_type):
 # parts (segment_reduce's autograd). Written 2026-12-05 and compiled (nvcc, clang), not yet run
 # on a GPU: `auto` takes it only with MUSPACE_TRY_UNVERIFIED=1 until it has passed the GPU
 # suite ("" then). MUSPACE_DYNAMIC_SCATTER_FUSED=0 turns it off (A/B timing).
-FUSED_FORWARD_UNVERIFIED = "not yet run on a GPU (written 2026-12-05)"
+FUSED_FORWARD_UNVERIFIED = "not yet run on a GPU (its GPU tests pass on the host emulation)"
 FUSED_FORWARD = os.environ.get("MUSPACE_DYNAMIC_SCATTER_FUSED", "1") != "0"
 
 

@@ -23,7 +23,9 @@ from mu_space.ops import dynamic_scatter as ds
 # (voxels beyond M with no rows). Written 2026-12-05 and tested on the CPU (reference path, the
 # library's argument checks), not yet run on a GPU: `auto` takes the reference until the GPU
 # tests (tests/ops/test_dynamic_scatter.py, "padded") have passed ("" then).
-UNVERIFIED = "the padded composition not yet run on a GPU (written 2026-12-05)"
+UNVERIFIED = (
+    "the padded composition not yet run on a GPU (its GPU tests pass on the host emulation)"
+)
 
 _PAD_ENTRY_POINTS = ("voxel_group_keys", "voxel_group_from_sorted", "voxel_group_workspace_ints")
 

@@ -134,7 +134,7 @@ def _cell_map(voxel_features, B, ny, nx):
 # entry point takes the sizes; else the map path. Written 2026-12-05 and compiled (nvcc, clang),
 # not yet run on a GPU: `auto` keeps the map path until its GPU tests have passed ("" then);
 # MUSPACE_TRY_UNVERIFIED=1 takes it, MUSPACE_PILLAR_TILED=0 turns it off (A/B timing).
-TILED_UNVERIFIED = "not yet run on a GPU (written 2026-12-05)"
+TILED_UNVERIFIED = "not yet run on a GPU (its GPU tests pass on the host emulation)"
 TILED = os.environ.get("MUSPACE_PILLAR_TILED", "1") != "0"
 
 
