@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU tests of the LiDAR operators (voxelization, dynamic_scatter, pillar_scatter, sparse
-# convolution) on the CPU, through the host emulation (docs/host_emulation.md): once with
+# The strict self-check (every operator, native against the reference), then the GPU tests of the
+# LiDAR operators (voxelization, dynamic_scatter, pillar_scatter, sparse convolution) on the
+# CPU, through the host emulation (docs/host_emulation.md): once with
 # 32-lane warps (CUDA's) and once with 128-lane warps and MUSA's feature set, in two processes
 # at once. MUSPACE_TRY_UNVERIFIED=1: the paths not yet run on a GPU are taken too.
 #   SCOPE=quick (default, CI): without the ~300k-point CenterPoint frames; 128-lane warps only
@@ -40,6 +41,14 @@ if [ $rc32 -ne 0 ] || [ $rc128 -ne 0 ]; then
   exit 1
 fi
 echo "built both libraries in $(( $(date +%s) - start )) s"
+
+# Every operator of every family, native against the reference (strict: no fallback), seconds.
+for w in 32 128; do
+  MUSPACE_LIBRARY="$PWD/build/host_emulation/w$w/libmuspace_native.so" MUSPACE_TRY_UNVERIFIED=1 \
+    "$PYTHON" -m mu_space --device cpu --strict >"$OUT/selfcheck$w.txt" 2>&1 ||
+    { tail -30 "$OUT/selfcheck$w.txt"; echo "strict self-check failed ($w-lane warps)"; exit 1; }
+  echo "-- $w-lane warps: $(grep "cases passed" "$OUT/selfcheck$w.txt")"
+done
 
 run() {  # run WARP FILES...: the GPU tests against build/host_emulation/wWARP
   local warp=$1
