@@ -9,7 +9,8 @@ launches rewritten (`k<<<grid, block, shared, stream>>>(args)` -> `muspace_emu::
 C++ compiler with MUSPACE_BUILD_HOST_EMULATION. The library lands in DIR (default
 build/host_emulation/w<warp size>) as libmuspace_native.so with a build_info.json, so
 `MUSPACE_LIBRARY=DIR/libmuspace_native.so` makes mu_space load it: native kernels then run on CPU
-tensors. Objects are cached by the hash of their rewritten text and flags.
+tensors. Objects are cached by the digest of the whole rewritten tree and the flags (a header
+change rebuilds every object).
 """
 
 from __future__ import annotations
@@ -35,19 +36,14 @@ EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+([\w:]+)\s+(\w+)\s*\[\s*\]\s*
 
 
 def _matching(text: str, at: int) -> int:
-    """The index of the bracket matching the one at `at`: forward from an opening bracket,
-    backward from a closing one."""
-    pairs = {"(": ")", "[": "]", "<": ">", ")": "(", "]": "[", ">": "<"}
-    step = 1 if text[at] in "([<" else -1
+    """The index of the parenthesis matching the one at `at` (forward from "(", back from ")")."""
+    step = 1 if text[at] == "(" else -1
     depth = 0
     i = at
     while 0 <= i < len(text):
-        if text[i] == text[at]:
-            depth += 1
-        elif text[i] == pairs[text[at]]:
-            depth -= 1
-            if depth == 0:
-                return i
+        depth += {"(": step, ")": -step}.get(text[i], 0)
+        if depth == 0:
+            return i
         i += step
     raise ValueError(f"unbalanced {text[at]!r} at offset {at}")
 
@@ -207,7 +203,7 @@ def build(out_dir: Path, warp_size: int, sources: list[str], jobs: int) -> Path:
     failures = [str(o) for o in objs if isinstance(o, RuntimeError)]
     if failures:
         raise RuntimeError("\n".join(failures))
-    lib = out_dir / "libmuspace_native.so"
+    lib = out_dir / build_utils.LIBRARY_FILE
     link = [
         compiler(),
         "-shared",

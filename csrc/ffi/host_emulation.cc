@@ -104,7 +104,7 @@ constexpr std::size_t kStackBytes = 256 * 1024;
 constexpr std::size_t kGuardBytes = 4096;
 constexpr int kMaxThreadsPerBlock = 1024;
 constexpr std::size_t kSlotBytes = 16;
-constexpr unsigned char kPoison = 0xA5;  // fills dynamic shared memory before each block
+constexpr unsigned char kPoison = 0xA5;  // fills dynamic shared memory and the warp slots
 
 enum class State { kRunnable, kAtBlockBarrier, kAtWarpBarrier, kDone };
 
@@ -115,7 +115,6 @@ struct Fiber {
 };
 
 struct Launch {
-  const char* kernel = "";
   void (*body)(void*) = nullptr;
   void* context = nullptr;
   dim3 block;
@@ -311,7 +310,6 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_sha
     return;
   }
   Launch l;
-  l.kernel = kernel;
   l.body = body;
   l.context = context;
   l.block = block;
@@ -319,7 +317,6 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_sha
   l.fibers.resize(l.threads);
   l.slots.assign(l.threads * kSlotBytes, kPoison);
   l.published.assign(l.threads, 0);
-  Launch* outer = g_launch;
   g_launch = &l;
   blockDim = block;
   gridDim = grid;
@@ -335,7 +332,7 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, std::size_t dynamic_sha
     run_block(l, rng, shuffled);
     if (l.failed) break;
   }
-  g_launch = outer;
+  g_launch = nullptr;
   if (l.failed) {
     g_last_error = kLaunchFailure;
     g_last_message = std::string(kernel) + ": " + l.failure;

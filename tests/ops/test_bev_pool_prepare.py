@@ -25,7 +25,7 @@ from mu_space.ops.bev_pool_prepare import (
 )
 from mu_space.runtime import native
 from mu_space.testing import bev_geometry
-from tests.helpers import graph_capture_device, native_gpu_device, poisoned
+from tests.helpers import forbid_host_sync, graph_capture_device, native_gpu_device, poisoned
 
 GRID = ((-51.2, -51.2, -5.0), (0.8, 0.8, 8.0), (128, 128, 1))  # BEVDet-R50's grid
 # the module (mu_space.ops.bev_pool_prepare is the function: the package re-exports it)
@@ -808,12 +808,8 @@ def test_native_padded_equals_reference_without_a_host_sync(name):
     coor, grid = _geometry(name, device=device)
     want = bev_pool_prepare_padded_reference(coor, *grid)
     bev_pool_prepare_padded(coor, *grid, backend="cuda")  # warm: library, caches
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
-    try:
+    with forbid_host_sync(coor.device):  # any synchronisation raises
         got = bev_pool_prepare_padded(coor, *grid, backend="cuda")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for field, g, w in zip(BEVPoolRanksPadded._fields, got, want):
         assert torch.equal(g, w), f"{name}.{field}"
 

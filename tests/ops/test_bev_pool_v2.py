@@ -26,6 +26,7 @@ from mu_space.runtime import native
 from mu_space.testing import bev_geometry
 from tests.helpers import (
     assert_close,
+    forbid_host_sync,
     graph_capture_device,
     native_gpu_device,
     poisoned,
@@ -899,12 +900,8 @@ def test_native_backward_on_prepared_ranks_is_one_path_for_both_modes(dtype, con
         torch.use_deterministic_algorithms(deterministic)
         try:
             out = bev_pool_v2(d, f, *args[2:], backend="native")
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")  # any synchronisation raises
-            try:
+            with forbid_host_sync(out.device):  # any synchronisation raises
                 out.backward(g)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
         finally:
             torch.use_deterministic_algorithms(False)
         runs.append((d.grad, f.grad))
