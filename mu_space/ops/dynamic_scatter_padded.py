@@ -20,12 +20,10 @@ from mu_space.ops import dynamic_scatter as ds
 
 # Composed of kernels verified on the H200 (voxel_group_keys, the platform's sort,
 # voxel_group_from_sorted, segment_reduce_forward / _backward), used here with padded groupings
-# (voxels beyond M with no rows). Written 2026-12-05 and tested on the CPU (reference path, the
-# library's argument checks), not yet run on a GPU: `auto` takes the reference until the GPU
-# tests (tests/ops/test_dynamic_scatter.py, "padded") have passed ("" then).
-UNVERIFIED = (
-    "the padded composition not yet run on a GPU (its GPU tests pass on the host emulation)"
-)
+# (voxels beyond M with no rows). Its GPU tests, memcheck and racecheck passed on the H200
+# (2026-12-05); the contract tests there found two outputs aliasing one buffer and a reference
+# pad that torch 2.11 could not compile (both fixed, run again on the H200 the same day).
+UNVERIFIED = ""
 
 _PAD_ENTRY_POINTS = ("voxel_group_keys", "voxel_group_from_sorted", "voxel_group_workspace_ints")
 
@@ -58,10 +56,11 @@ def _group_check(coors) -> _opdef.Checked:
 
 
 def _pad(t: torch.Tensor, rows: int, value) -> torch.Tensor:
-    """t followed by rows - len(t) rows of `value`."""
-    out = t.new_full((rows, *t.shape[1:]), value)
-    out[: t.shape[0]] = t
-    return out
+    """t followed by rows - len(t) rows of `value`. A concatenation, not a slice assignment:
+    under torch.compile len(t) is data-dependent, and torch 2.11's fullgraph trace could not
+    guard the assignment's shapes (H200, 2026-12-05); the concatenation's size is `rows`."""
+    torch._check(t.shape[0] <= rows)
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
 
 
 def voxel_group_padded_reference(coors) -> PaddedGroups:
@@ -100,7 +99,9 @@ def _group_native(c, coors) -> PaddedGroups:
     # beyond M / K (-1), starts and counts beyond M (0); point2voxel is written for every row
     voxel_coors = torch.full((n, ndim), -1, dtype=coors.dtype, device=dev)
     order = torch.full((n,), -1, dtype=torch.int32, device=dev)
-    starts, counts = torch.zeros((2, n), dtype=torch.int32, device=dev).unbind(0)
+    # two allocations: views of one buffer would alias (custom ops may not return aliases)
+    starts = torch.zeros((n,), dtype=torch.int32, device=dev)
+    counts = torch.zeros((n,), dtype=torch.int32, device=dev)
     p2v = _opdef.new_output(coors, (n,), torch.int32)
     header = ds.launch_sort_grouping(coors, (voxel_coors, order, starts, counts, p2v))
     # on an overflow the kernels keep every row out (all keys the sentinel): M = 0

@@ -446,8 +446,8 @@ def test_native_tiled_forward_equals_the_map_path(config, B, channels, dtype):
 def test_native_tiled_forward_hands_back_and_the_op_takes_it(monkeypatch):
     """The tiled entry point returns False without writing where its plan does not apply (a
     plane not a multiple of K, a canvas not 16-byte aligned, too many pillar visits); the op
-    takes it once allowed (TILED_UNVERIFIED, MUSPACE_TRY_UNVERIFIED=1) and its result is the
-    reference's; MUSPACE_PILLAR_TILED=0 (TILED) keeps the map path."""
+    takes it with MUSPACE_PILLAR_TILED=1 (TILED) and its result is the reference's; without it
+    the op keeps the map path."""
     from tests.helpers import recording_entry_points
 
     ps = sys.modules["mu_space.ops.pillar_scatter"]
@@ -463,6 +463,7 @@ def test_native_tiled_forward_hands_back_and_the_op_takes_it(monkeypatch):
     big = torch.full((1, 2, 512, 512), float("nan"), device=device)
     assert _tiled(torch.zeros(many.shape[0], 2, device=device), many, big) is False
     monkeypatch.setattr(ps, "TILED_UNVERIFIED", "")
+    monkeypatch.setattr(ps, "TILED", True)
     names = recording_entry_points(monkeypatch)
     want = mu_space.pillar_scatter(feats, coors, B, (ny, nx), backend="reference")
     with _opdef.poisoned_outputs():
