@@ -71,6 +71,13 @@ def forbid_host_sync(device: torch.device):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def synchronize(device: torch.device) -> None:
+    """torch.cuda.synchronize(device) on CUDA (a kernel fault surfaces here); nothing on the
+    CPU, where the host emulation's launches are synchronous."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def graph_capture_device() -> torch.device:
     """native_gpu_device() for a CUDA-graph capture test. Skips under
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 (the sanitizer memcheck runs): every allocation is then a

@@ -5,12 +5,15 @@ Inputs come from real frustum geometry built the way BEVFusion's vtransform buil
 (mu_space.testing.bev_pool_inputs.bevfusion_inputs).
 """
 
+import contextlib
+
 import pytest
 import torch
 
 from mu_space.ops import _bev, _opdef
 from mu_space.ops.bev_pool import bev_pool, bev_pool_cells, bev_pool_reference
 from mu_space.runtime import kernel_dispatch, native
+from mu_space.runtime.device import stream_handle
 from mu_space.testing.bev_pool_inputs import bevfusion_inputs
 from tests.helpers import assert_close, native_gpu_device, tolerance
 from tests.ops import _bev_fakes
@@ -353,11 +356,18 @@ GPU_CASES = [
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _poison_allocator(device, nbytes=1 << 30):
-    """Fill a large block of the caching allocator with NaN and free it, so outputs the native
-    path allocates next start as NaN: an unwritten element then fails the comparison."""
+@contextlib.contextmanager
+def _poisoned(device, nbytes=1 << 30):
+    """Outputs the native path allocates inside start as NaN: an unwritten element then fails
+    the comparison. CUDA: a large block of the caching allocator filled with NaN and freed.
+    CPU (host emulation, no caching allocator): new_output's NaN fill."""
+    if device.type != "cuda":
+        with _opdef.poisoned_outputs():
+            yield
+        return
     torch.empty(nbytes // 4, device=device).fill_(float("nan"))
     torch.cuda.synchronize(device)
+    yield
 
 
 def _want(a, dtype):
@@ -373,8 +383,8 @@ def _want(a, dtype):
 def test_native_matches_reference(cfg, batch, channels, dtype):
     device = native_gpu_device()
     a = bevfusion_inputs(cfg, batch=batch, channels=channels, dtype=dtype, device=device)
-    _poison_allocator(device)
-    got = bev_pool(*args_of(a), backend="cuda")
+    with _poisoned(device):
+        got = bev_pool(*args_of(a), backend="native")
     assert got.dtype == dtype and got.device == device and got.is_contiguous()
     assert_close(got, _want(a, dtype), **tolerance(dtype))
 
@@ -387,7 +397,7 @@ def test_native_backward_matches_reference(dtype):
         "bevdet-r50", batch=2, channels=67, dtype=dtype, device=device, keep_out_of_range=True
     )
     feats = a["feats"].clone().requires_grad_(True)
-    out = bev_pool(feats, a["coords"], a["B"], a["D"], a["H"], a["W"], backend="cuda")
+    out = bev_pool(feats, a["coords"], a["B"], a["D"], a["H"], a["W"], backend="native")
     g = torch.randn_like(out)
     out.backward(g)
     ref = a["feats"].double().requires_grad_(True)
@@ -413,17 +423,17 @@ def test_native_out_of_range_and_edge_cases():
         device=device,
     )
     feats = torch.ones(7, 67, device=device)
-    out = bev_pool(feats, coords, B, D, H, W, backend="cuda")
+    out = bev_pool(feats, coords, B, D, H, W, backend="native")
     want = torch.zeros(B, 67, D, H, W, device=device)
     want[1, :, 0, 1, 2] = 1
     assert torch.equal(out, want)
     # empty, one point, every point in one cell
-    assert not bev_pool(feats[:0], coords[:0], B, D, H, W, backend="cuda").any()
-    one = bev_pool(feats[-1:] * 3, coords[-1:].int(), B, D, H, W, backend="cuda")
+    assert not bev_pool(feats[:0], coords[:0], B, D, H, W, backend="native").any()
+    one = bev_pool(feats[-1:] * 3, coords[-1:].int(), B, D, H, W, backend="native")
     assert torch.equal(one, want * 3)
     many = torch.randn(100_000, 3, device=device, dtype=torch.float64).float()
     same = torch.tensor([[2, 3, 0, 1]], device=device).expand(100_000, 4)
-    got = bev_pool(many, same, B, D, H, W, backend="cuda")
+    got = bev_pool(many, same, B, D, H, W, backend="native")
     # float32 sum of 1e5 values of magnitude ~1 (partial sums ~300): rounding ~1e-2 at most
     assert_close(got[1, :, 0, 2, 3].double(), many.double().sum(0), atol=5e-2, rtol=1e-5)
     got[1, :, 0, 2, 3] = 0
@@ -437,9 +447,7 @@ def test_native_out_of_range_and_edge_cases():
 def _cells_kernel(coords, dims, fill=0x7EADBEEF):
     """bev_pool_cells_forward into an output pre-filled with a value no cell takes."""
     cells = torch.full((coords.shape[0],), fill, dtype=torch.int32, device=coords.device)
-    native.function("bev_pool_cells_forward")(
-        coords, cells, *dims, torch.cuda.current_stream().cuda_stream
-    )
+    native.function("bev_pool_cells_forward")(coords, cells, *dims, stream_handle(coords))
     return cells
 
 
@@ -455,7 +463,7 @@ def test_native_cells_match_reference(cfg, batch, int_dtype):
     assert bool((want < 0).any()) and bool((want >= 0).any())  # both kinds of points
     assert torch.equal(_cells_kernel(coords, dims), want)
     with _opdef.poisoned_outputs():
-        assert torch.equal(bev_pool_cells(coords, *dims, backend="cuda"), want)
+        assert torch.equal(bev_pool_cells(coords, *dims, backend="native"), want)
     # not 16-byte aligned: the scalar-load kernel
     flat = torch.empty(coords.numel() + 1, dtype=int_dtype, device=device)
     shifted = flat[1:].view_as(coords).copy_(coords)
@@ -561,10 +569,12 @@ def test_native_autograd_runs_the_row_grad_kernel(monkeypatch, dtype):
     grads = []
     for _ in range(2):
         feats = a["feats"].clone().requires_grad_(True)
-        _poison_allocator(device)
-        out = bev_pool(feats, a["coords"], *dims, backend="cuda")
-        g = torch.randn(out.shape, generator=torch.Generator(device).manual_seed(1), device=device)
-        out.backward(g.to(dtype))
+        with _poisoned(device):
+            out = bev_pool(feats, a["coords"], *dims, backend="native")
+            g = torch.randn(
+                out.shape, generator=torch.Generator(device).manual_seed(1), device=device
+            )
+            out.backward(g.to(dtype))
         grads.append(feats.grad)
     ref = a["feats"].double().requires_grad_(True)
     bev_pool_reference(ref, a["coords"], *dims).backward(g.to(dtype).double())
@@ -645,9 +655,9 @@ def test_native_forward_both_sorts_bit_equal_reruns(monkeypatch, sort):
         monkeypatch.setenv("MUSPACE_BEV_POOL_ROWS_SORT", "counting")
     device = native_gpu_device()
     a = bevfusion_inputs("bevfusion-cam", device=device, keep_out_of_range=True)
-    _poison_allocator(device)
-    first = bev_pool(*args_of(a), backend="cuda")
+    with _poisoned(device):
+        first = bev_pool(*args_of(a), backend="native")
     assert_close(first, _want(a, torch.float32), **tolerance(torch.float32))
-    assert torch.equal(first, bev_pool(*args_of(a), backend="cuda"))
+    assert torch.equal(first, bev_pool(*args_of(a), backend="native"))
     monkeypatch.setenv("MUSPACE_BEV_POOL_ROWS_SORT", "counting" if sort == "radix" else "radix")
-    assert_close(first, bev_pool(*args_of(a), backend="cuda"), **tolerance(torch.float32))
+    assert_close(first, bev_pool(*args_of(a), backend="native"), **tolerance(torch.float32))

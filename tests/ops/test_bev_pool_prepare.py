@@ -24,8 +24,15 @@ from mu_space.ops.bev_pool_prepare import (
     sort_by_cell_reference,
 )
 from mu_space.runtime import native
+from mu_space.runtime.device import stream_handle
 from mu_space.testing import bev_geometry
-from tests.helpers import forbid_host_sync, graph_capture_device, native_gpu_device, poisoned
+from tests.helpers import (
+    forbid_host_sync,
+    graph_capture_device,
+    native_gpu_device,
+    poisoned,
+    synchronize,
+)
 
 GRID = ((-51.2, -51.2, -5.0), (0.8, 0.8, 8.0), (128, 128, 1))  # BEVDet-R50's grid
 # the module (mu_space.ops.bev_pool_prepare is the function: the package re-exports it)
@@ -434,17 +441,13 @@ def test_padded_no_points_and_the_pad_key_limit():
 CONFIGS = ["tiny", "bevdet-r50", "bevdet-r50-d88", "bevdet-d118", "bevfusion-cam"]
 
 
-def _stream(device):
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", CONFIGS)
 def test_native_equals_reference_on_frustum_geometry(name):
     device = native_gpu_device()
     coor, grid = _geometry(name, device=device)
     want = bev_pool_prepare_reference(coor, *grid)
-    _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), want, name)
+    _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="native"), want, name)
     # and the CPU reference agrees with the GPU reference
     _assert_equal_ranks(
         bev_pool_prepare_reference(coor.cpu(), *grid),
@@ -459,7 +462,7 @@ def test_native_batch_greater_than_one(name, batch):
     device = native_gpu_device()
     coor, grid = _geometry(name, batch=batch, device=device)  # per-sample calibration jitter
     _assert_equal_ranks(
-        bev_pool_prepare(coor, *grid, backend="cuda"),
+        bev_pool_prepare(coor, *grid, backend="native"),
         bev_pool_prepare_reference(coor, *grid),
         f"{name} B={batch}",
     )
@@ -472,7 +475,7 @@ def test_native_half_and_bfloat16_equal_reference(name, dtype):
     device = native_gpu_device()
     coor, grid = _geometry(name, device=device, dtype=dtype)
     want = bev_pool_prepare_reference(coor, *grid)
-    _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), want, f"{name} {dtype}")
+    _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="native"), want, f"{name} {dtype}")
     _assert_equal_ranks(
         bev_pool_prepare_reference(coor.cpu(), *grid),
         BEVPoolRanks(*(t.cpu() for t in want)),
@@ -502,9 +505,9 @@ def _call_native_prepare(coor, grid, *, workspace=None, flag_sets=((COUNT | ORDE
     outs += [poisoned((cap,), torch.int32, device) for _ in range(2)]
     for flags in flag_sets:
         native.function("bev_pool_prepare_forward")(
-            coor, workspace, *outs, *lower, *interval, *size, flags, 0, 0, _stream(device)
+            coor, workspace, *outs, *lower, *interval, *size, flags, 0, 0, stream_handle(coor)
         )
-    torch.cuda.synchronize(device)
+    synchronize(device)
     k, m = workspace[:2].tolist()
     return outs, k, m
 
@@ -555,12 +558,14 @@ def test_native_aggregated_histogram_policy(name, dtype, monkeypatch):
     monkeypatch.setattr(BPP, "_POLICY", AGGREGATE)
     coor, grid = _geometry(name, device=device, dtype=dtype)
     _assert_equal_ranks(
-        bev_pool_prepare(coor, *grid, backend="cuda"), bev_pool_prepare_reference(coor, *grid), name
+        bev_pool_prepare(coor, *grid, backend="native"),
+        bev_pool_prepare_reference(coor, *grid),
+        name,
     )
     cell = torch.randint(-5, 3000, (100_000,), device=device)
     cell[::3] = 7  # a hot cell
     _assert_equal_ranks(
-        sort_by_cell(cell, 3000, backend="cuda"), sort_by_cell_reference(cell, 3000)
+        sort_by_cell(cell, 3000, backend="native"), sort_by_cell_reference(cell, 3000)
     )
 
 
@@ -572,20 +577,24 @@ def test_native_cached_workspaces_across_configs_and_ops():
     inputs = [_geometry(name, device=device) for name in ("bevdet-r50", "tiny", "bevfusion-cam")]
     wants = [bev_pool_prepare_reference(c, *g) for c, g in inputs]
     g = torch.Generator().manual_seed(2)
-    side = torch.cuda.Stream(device)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None  # emulation: no streams
     for step in range(3):
         for (coor, grid), want in zip(inputs, wants):
-            _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), want, f"step {step}")
+            _assert_equal_ranks(
+                bev_pool_prepare(coor, *grid, backend="native"), want, f"step {step}"
+            )
             n = 50_000 + 20_000 * step
             cell = torch.randint(-10, 4224, (n,), generator=g).to(device)
             _assert_equal_ranks(
-                sort_by_cell(cell, 4224, backend="cuda"),
+                sort_by_cell(cell, 4224, backend="native"),
                 sort_by_cell_reference(cell, 4224),
                 f"sort n={n}",
             )
+        if side is None:
+            continue
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            got = bev_pool_prepare(inputs[0][0], *inputs[0][1], backend="cuda")
+            got = bev_pool_prepare(inputs[0][0], *inputs[0][1], backend="native")
         side.synchronize()
         _assert_equal_ranks(got, wants[0], "side stream")
 
@@ -597,17 +606,20 @@ def test_native_count_readback_modes(readback, monkeypatch):
     pinned memory, the pinned copy + event, and the plain read after both stages; also when the
     stream has a long queue ahead (the host stops spinning and blocks on the event)."""
     device = native_gpu_device()
+    if device.type != "cuda" and readback != "sync":
+        pytest.skip("pinned-memory readback: CUDA only (the CPU path reads after both stages)")
     monkeypatch.setattr(BPP, "_READBACK", readback)
     for name in ("bevdet-r50", "tiny", "bevfusion-cam"):
         coor, grid = _geometry(name, device=device)
         want = bev_pool_prepare_reference(coor, *grid)
         for _ in range(2):
-            _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), want, name)
-        torch.cuda._sleep(20_000_000)  # ~10 ms queued: longer than the spin limit
-        _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="cuda"), want, name + " queued")
+            _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="native"), want, name)
+        if device.type == "cuda":
+            torch.cuda._sleep(20_000_000)  # ~10 ms queued: longer than the spin limit
+        _assert_equal_ranks(bev_pool_prepare(coor, *grid, backend="native"), want, name + " queued")
     cell = torch.randint(-3, 5000, (70_000,), device=device)
     _assert_equal_ranks(
-        sort_by_cell(cell, 5000, backend="cuda"), sort_by_cell_reference(cell, 5000)
+        sort_by_cell(cell, 5000, backend="native"), sort_by_cell_reference(cell, 5000)
     )
     assert BPP._READBACK == readback  # no fallback was needed
 
@@ -640,11 +652,11 @@ def test_native_semantic_edge_cases():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             c = coor.to(device=device, dtype=dtype)
             _assert_equal_ranks(
-                bev_pool_prepare(c, *grid, backend="cuda"),
+                bev_pool_prepare(c, *grid, backend="native"),
                 bev_pool_prepare_reference(c, *grid),
                 f"{list(coor.shape)} {dtype}",
             )
-    empty = bev_pool_prepare(torch.empty(1, 6, 0, 2, 2, 3, device=device), *grid, backend="cuda")
+    empty = bev_pool_prepare(torch.empty(1, 6, 0, 2, 2, 3, device=device), *grid, backend="native")
     assert all(t.shape == (0,) and t.device == device for t in empty)
 
 
@@ -665,7 +677,7 @@ def test_native_long_segments_use_the_block_sort(policy, monkeypatch):
     clustered = pts.reshape(1, 1, -1, 1, 1, 3)
     for coor in (one, clustered):
         c = coor.to(device)
-        got = bev_pool_prepare(c, *grid, backend="cuda")
+        got = bev_pool_prepare(c, *grid, backend="native")
         want = bev_pool_prepare_reference(c, *grid)
         _assert_equal_ranks(got, want, f"{list(coor.shape)}")
         assert got.interval_lengths.max() >= 2049
@@ -678,7 +690,7 @@ def test_native_non_contiguous_coor():
     t = coor.permute(0, 1, 3, 4, 2, 5).contiguous().permute(0, 1, 4, 2, 3, 5)  # same values
     assert not t.is_contiguous()
     _assert_equal_ranks(
-        bev_pool_prepare(t, *grid, backend="cuda"), bev_pool_prepare_reference(coor, *grid)
+        bev_pool_prepare(t, *grid, backend="native"), bev_pool_prepare_reference(coor, *grid)
     )
 
 
@@ -688,8 +700,8 @@ def test_native_entry_points_validate_arguments():
     prep = native.function("bev_pool_prepare_forward")
     sort = native.function("sort_by_cell_forward")
     ws_ints = native.function("bev_pool_sort_workspace_ints")
-    s = _stream(device)
     coor = torch.rand(1, 1, 4, 1, 2, 3, device=device)  # n = 8
+    s = stream_handle(coor)
     n, cells = 8, 16
     ws = torch.empty(ws_ints(n, cells), dtype=torch.int32, device=device)
     i32 = lambda k: torch.empty(k, dtype=torch.int32, device=device)  # noqa: E731
@@ -703,8 +715,10 @@ def test_native_entry_points_validate_arguments():
 
     with pytest.raises(TypeError, match="coor must be float32, float16 or bfloat16, got float64"):
         call(0, coor.double())
-    with pytest.raises(ValueError, match="coor must be a cuda tensor, got cpu:0"):
-        call(0, coor.cpu())
+    wrong_device = device.type == "cuda"  # the host emulation's device is the CPU itself
+    if wrong_device:
+        with pytest.raises(ValueError, match="coor must be a cuda tensor, got cpu:0"):
+            call(0, coor.cpu())
     with pytest.raises(ValueError, match="coor must be 6-D, got 5-D"):
         call(0, coor[0])
     with pytest.raises(ValueError, match="coor must be contiguous"):
@@ -715,8 +729,9 @@ def test_native_entry_points_validate_arguments():
         call(4, i32(7))
     with pytest.raises(ValueError, match=r"interval_lengths.shape\[0\] must be 8, got 16"):
         call(6, i32(16))
-    with pytest.raises(ValueError, match="ranks_depth must be on cuda:0, got cpu:0"):
-        call(3, torch.empty(n, dtype=torch.int32))
+    if wrong_device:
+        with pytest.raises(ValueError, match="ranks_depth must be on cuda:0, got cpu:0"):
+            call(3, torch.empty(n, dtype=torch.int32))
     with pytest.raises(ValueError, match="workspace must hold at least"):
         call(1, i32(10))
     with pytest.raises(ValueError, match="grid_size must be positive"):
@@ -784,9 +799,9 @@ def test_native_sort_by_cell_equals_reference(kind, n, n_cells, dtype):
         cell = bev_pool_prepare_reference(coor, *grid).ranks_feat.long()
     cell = cell.to(device=device, dtype=dtype)
     want = sort_by_cell_reference(cell, n_cells)
-    got = sort_by_cell(cell, n_cells, backend="cuda")
+    got = sort_by_cell(cell, n_cells, backend="native")
     _assert_equal_ranks(got, want, kind)
-    _assert_equal_ranks(sort_by_cell(cell, n_cells, backend="cuda"), got, kind + " rerun")
+    _assert_equal_ranks(sort_by_cell(cell, n_cells, backend="native"), got, kind + " rerun")
 
 
 @pytest.mark.gpu
@@ -797,7 +812,7 @@ def test_native_sort_by_cell_empty_and_no_cells():
         (torch.arange(5, device=device), 0),
         (torch.full((100,), -1, device=device), 10),
     ):
-        got = sort_by_cell(cell, n_cells, backend="cuda")
+        got = sort_by_cell(cell, n_cells, backend="native")
         assert all(t.shape == (0,) and t.dtype == torch.int32 and t.device == device for t in got)
 
 
@@ -807,9 +822,9 @@ def test_native_padded_equals_reference_without_a_host_sync(name):
     device = native_gpu_device()
     coor, grid = _geometry(name, device=device)
     want = bev_pool_prepare_padded_reference(coor, *grid)
-    bev_pool_prepare_padded(coor, *grid, backend="cuda")  # warm: library, caches
+    bev_pool_prepare_padded(coor, *grid, backend="native")  # warm: library, caches
     with forbid_host_sync(coor.device):  # any synchronisation raises
-        got = bev_pool_prepare_padded(coor, *grid, backend="cuda")
+        got = bev_pool_prepare_padded(coor, *grid, backend="native")
     for field, g, w in zip(BEVPoolRanksPadded._fields, got, want):
         assert torch.equal(g, w), f"{name}.{field}"
 
@@ -829,8 +844,8 @@ def test_native_padded_view_transform_captured_in_one_cuda_graph():
     coor, depth, feat = (g[k].to(device) for k in ("coor", "depth", "feat"))
 
     def view_transform():
-        r = bev_pool_prepare_padded(coor, *grid, backend="cuda")
-        return bev_pool_v2(depth, feat, *r.bev_pool_v2_args(shape), backend="cuda")
+        r = bev_pool_prepare_padded(coor, *grid, backend="native")
+        return bev_pool_v2(depth, feat, *r.bev_pool_v2_args(shape), backend="native")
 
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -846,6 +861,6 @@ def test_native_padded_view_transform_captured_in_one_cuda_graph():
         depth.copy_(torch.rand(depth.shape, generator=gen).to(device))
         feat.copy_(torch.randn(feat.shape, generator=gen).to(device))
         graph.replay()
-        r = bev_pool_prepare(coor, *grid, backend="cuda")
-        want = bev_pool_v2(depth, feat, *r.bev_pool_v2_args(shape), backend="cuda")
+        r = bev_pool_prepare(coor, *grid, backend="native")
+        want = bev_pool_v2(depth, feat, *r.bev_pool_v2_args(shape), backend="native")
         tolerances.assert_close(out, want, op="bev_pool_v2", name=f"replay {step}")

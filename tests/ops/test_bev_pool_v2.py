@@ -23,6 +23,7 @@ from mu_space.ops.bev_pool_v2 import (
     validate_inputs,
 )
 from mu_space.runtime import native
+from mu_space.runtime.device import stream_handle
 from mu_space.testing import bev_geometry
 from tests.helpers import (
     assert_close,
@@ -30,6 +31,7 @@ from tests.helpers import (
     graph_capture_device,
     native_gpu_device,
     poisoned,
+    synchronize,
     tolerance,
 )
 from tests.ops import _bev_pool_v2_model as model
@@ -82,7 +84,8 @@ def make_inputs(
         r.interval_starts,
         r.interval_lengths,
     )
-    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    # copies: the ranks are cached (_ranks) and must not alias a test's CPU tensors
+    return tuple(a.to(device, copy=True) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def loop_bev_pool_v2(depth, feat, ranks_depth, ranks_feat, ranks_bev, shape, starts, lengths):
@@ -623,9 +626,7 @@ GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def _native_forward(args, out):
     depth, feat, rd, rf, rb = args[:5]
-    native.function("bev_pool_v2_forward")(
-        depth, feat, rd, rf, rb, out, 0, torch.cuda.current_stream().cuda_stream
-    )
+    native.function("bev_pool_v2_forward")(depth, feat, rd, rf, rb, out, 0, stream_handle(feat))
 
 
 def _out_shape(args):
@@ -841,7 +842,7 @@ def _frustum_entry(grad, args, out_dtype, add_irregular, *, poison=True, flag=Tr
         gf,
         irregular,
         add_irregular,
-        torch.cuda.current_stream().cuda_stream,
+        stream_handle(feat),
     )
     return covered, gd, gf, (int(irregular[0]) if flag else None)
 
@@ -1058,7 +1059,7 @@ def test_cuda_graph_capture_of_forward_and_backward():
 
     def step():
         depth.grad = feat.grad = None
-        out = bev_pool_v2(depth, feat, *args[2:], backend="cuda")
+        out = bev_pool_v2(depth, feat, *args[2:], backend="native")
         out.backward(static_g)
         return out
 
@@ -1112,31 +1113,31 @@ def test_bad_indices_never_crash_and_validate_raises(corruption, channels):
         ).to(device)
     depth = args[0].clone().requires_grad_(True)
     feat = args[1].clone().requires_grad_(True)
-    out = bev_pool_v2(depth, feat, *args[2:], backend="cuda")
+    out = bev_pool_v2(depth, feat, *args[2:], backend="native")
     out.backward(torch.ones_like(out))
     for mode in (True, False):
         torch.use_deterministic_algorithms(mode)
         try:
-            backward(torch.ones_like(out), args, True, True, mode, "cuda")
+            backward(torch.ones_like(out), args, True, True, mode, "native")
         finally:
             torch.use_deterministic_algorithms(False)
-    torch.cuda.synchronize(device)  # an illegal access would surface here
+    synchronize(device)  # an illegal access would surface here
     assert torch.isfinite(out).all()
     with pytest.raises((IndexError, ValueError)):
-        bev_pool_v2(*args, backend="cuda", validate=True)
+        bev_pool_v2(*args, backend="native", validate=True)
 
 
 @pytest.mark.gpu
 def test_output_beyond_int32_elements():
     """B*Z*Y*X*C > 2**31 elements: int64 offsets (float16 output of ~5.4 GB)."""
-    device = native_gpu_device()
+    device = native_gpu_device(too_large_to_emulate=True)
     if torch.cuda.get_device_properties(device).total_memory < 24 * 2**30:
         pytest.skip("needs ~12 GB of GPU memory")
     shape = (1, 1, 4096, 4096, 160)  # 2.7e9 elements
     n_cells = 4096 * 4096
     cells = [0, 1, n_cells // 2, n_cells - 2, n_cells - 1, n_cells - 1]
     args = hand_case(cells, shape, dtype=torch.float16, device=device)
-    out = bev_pool_v2(*args, backend="cuda")
+    out = bev_pool_v2(*args, backend="native")
     assert out.shape == (1, 160, 1, 4096, 4096)
     rows = args[1].float().reshape(-1, 160)
     w = args[0].float().reshape(-1)
@@ -1152,8 +1153,8 @@ def test_output_beyond_int32_elements():
 def test_native_entry_point_validates_arguments():
     device = native_gpu_device()
     fn = native.function("bev_pool_v2_forward")
-    stream = torch.cuda.current_stream(device).cuda_stream
     depth, feat, rd, rf, rb, shape, _, _ = make_inputs("tiny", device=device)
+    stream = stream_handle(feat)
     out = torch.empty(_out_shape((None,) * 5 + (shape,)), device=device)
     with pytest.raises(TypeError, match="ranks_bev must be int32, got int64"):
         fn(depth, feat, rd, rf, rb.long(), out, 0, stream)
@@ -1163,10 +1164,11 @@ def test_native_entry_point_validates_arguments():
         TypeError, match=r"depth must have the dtype of feat \(float32\), got float16"
     ):
         fn(depth.half(), feat, rd, rf, rb, out, 0, stream)
-    with pytest.raises(ValueError, match="feat must be a cuda tensor, got cpu:0"):
-        fn(depth, feat.cpu(), rd, rf, rb, out, 0, stream)
-    with pytest.raises(ValueError, match="ranks_feat must be on cuda:0, got cpu:0"):
-        fn(depth, feat, rd, rf.cpu(), rb, out, 0, stream)
+    if device.type == "cuda":  # the host emulation's device is the CPU itself
+        with pytest.raises(ValueError, match="feat must be a cuda tensor, got cpu:0"):
+            fn(depth, feat.cpu(), rd, rf, rb, out, 0, stream)
+        with pytest.raises(ValueError, match="ranks_feat must be on cuda:0, got cpu:0"):
+            fn(depth, feat, rd, rf.cpu(), rb, out, 0, stream)
     with pytest.raises(ValueError, match=r"ranks_depth.shape\[0\] must be"):
         fn(depth, feat, rd[1:], rf, rb, out, 0, stream)
     with pytest.raises(ValueError, match=r"out.shape\[1\] must be 5"):
@@ -1185,9 +1187,7 @@ def test_points_per_block_override_keeps_results():
     want = bev_pool_v2_reference(*args)
     for ppb in (1, 7, 64, 1000, 100000):
         out = poisoned(_out_shape(args), torch.float32, device)
-        native.function("bev_pool_v2_forward")(
-            *args[:5], out, ppb, torch.cuda.current_stream().cuda_stream
-        )
+        native.function("bev_pool_v2_forward")(*args[:5], out, ppb, stream_handle(out))
         assert_close(out, want, **tolerance(torch.float32))
 
 
@@ -1223,7 +1223,7 @@ def test_native_grad_depth_sums_a_repeated_ranks_depth(deterministic):
     feat = args[1].clone().requires_grad_(True)
     torch.use_deterministic_algorithms(deterministic)
     try:
-        bev_pool_v2(depth, feat, *args[2:], backend="cuda").sum().backward()
+        bev_pool_v2(depth, feat, *args[2:], backend="native").sum().backward()
     finally:
         torch.use_deterministic_algorithms(False)
     assert depth.grad.tolist() == [4.0] and feat.grad.tolist() == [[2.0], [2.0]]
@@ -1241,7 +1241,7 @@ def test_native_grad_depth_with_many_repeats_matches_reference(dtype, determinis
     grad = torch.randn(_out_shape(args), device=device, dtype=dtype)
     torch.use_deterministic_algorithms(deterministic)
     try:
-        bev_pool_v2(depth, *args[1:], backend="cuda").backward(grad)
+        bev_pool_v2(depth, *args[1:], backend="native").backward(grad)
     finally:
         torch.use_deterministic_algorithms(False)
     want, _ = bev_pool_v2_backward_reference(grad, *args)
@@ -1249,7 +1249,7 @@ def test_native_grad_depth_with_many_repeats_matches_reference(dtype, determinis
         torch.use_deterministic_algorithms(True)
         try:
             again = depth.detach().clone().requires_grad_(True)
-            bev_pool_v2(again, *args[1:], backend="cuda").backward(grad)
+            bev_pool_v2(again, *args[1:], backend="native").backward(grad)
         finally:
             torch.use_deterministic_algorithms(False)
         assert torch.equal(again.grad, depth.grad)

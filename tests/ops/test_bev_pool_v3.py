@@ -6,13 +6,16 @@ Inputs: BEVDet-style ranks from real frustum geometry, not sorted, usually shuff
 (mu_space.testing.bev_pool_inputs.bevdet_ranks).
 """
 
+import contextlib
+
 import pytest
 import torch
 
+from mu_space.ops import _opdef
 from mu_space.ops.bev_pool import bev_pool
 from mu_space.ops.bev_pool_v3 import bev_pool_v3, bev_pool_v3_reference
 from mu_space.testing.bev_pool_inputs import bevdet_ranks, bevfusion_inputs
-from tests.helpers import assert_close, native_gpu_device, tolerance
+from tests.helpers import assert_close, native_gpu_device, synchronize, tolerance
 from tests.ops import _bev_fakes
 
 
@@ -437,10 +440,17 @@ GPU_CASES = [
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _poison_allocator(device, nbytes=1 << 30):
-    """NaN-fill and free a large allocator block so unwritten native outputs show up as NaN."""
+@contextlib.contextmanager
+def _poisoned(device, nbytes=1 << 30):
+    """Unwritten native outputs show up as NaN. CUDA: a large allocator block NaN-filled and
+    freed. CPU (host emulation, no caching allocator): new_output's NaN fill."""
+    if device.type != "cuda":
+        with _opdef.poisoned_outputs():
+            yield
+        return
     torch.empty(nbytes // 4, device=device).fill_(float("nan"))
     torch.cuda.synchronize(device)
+    yield
 
 
 def _want(a, dtype):
@@ -455,8 +465,8 @@ def _want(a, dtype):
 def test_native_matches_reference(cfg, batch, channels, dtype):
     device = native_gpu_device()
     a = bevdet_ranks(cfg, batch=batch, channels=channels, dtype=dtype, device=device, shuffle=True)
-    _poison_allocator(device)
-    got = bev_pool_v3(*args_of(a), backend="cuda")
+    with _poisoned(device):
+        got = bev_pool_v3(*args_of(a), backend="native")
     assert got.dtype == dtype and got.is_contiguous()
     assert_close(got, _want(a, dtype), **tolerance(dtype))
 
@@ -468,7 +478,7 @@ def test_native_backward_matches_reference(dtype):
     a = bevdet_ranks("bevdet-r50", batch=2, channels=67, dtype=dtype, device=device, shuffle=True)
     depth = a["depth"].clone().requires_grad_(True)
     feat = a["feat"].clone().requires_grad_(True)
-    out = bev_pool_v3(depth, feat, *args_of(a)[2:], backend="cuda")
+    out = bev_pool_v3(depth, feat, *args_of(a)[2:], backend="native")
     g = torch.randn_like(out)
     out.backward(g)
     rd = a["depth"].double().requires_grad_(True)
@@ -485,8 +495,8 @@ def test_native_v1_mode_matches_bev_pool():
     v1 = bevfusion_inputs("bevfusion-cam", device=device, keep_out_of_range=True)
     shape = (v1["B"], v1["D"], v1["H"], v1["W"], v1["feats"].shape[1])
     feats = v1["feats"].clone().requires_grad_(True)
-    got = bev_pool_v3(None, feats, None, None, v1["coords"].int(), shape, backend="cuda")
-    assert torch.equal(got, bev_pool(v1["feats"], v1["coords"], *shape[:4], backend="cuda"))
+    got = bev_pool_v3(None, feats, None, None, v1["coords"].int(), shape, backend="native")
+    assert torch.equal(got, bev_pool(v1["feats"], v1["coords"], *shape[:4], backend="native"))
     got.backward(torch.ones_like(got))
     assert feats.grad.sum() > 0
 
@@ -501,16 +511,16 @@ def test_native_bad_indices_never_crash():
     rd[200:300] = 2**31 - 1
     rf[300:400] = -1
     args = (a["depth"], a["feat"], rd, rf, rb, a["bev_feat_shape"])
-    got = bev_pool_v3(*args, backend="cuda")
-    torch.cuda.synchronize(device)  # an illegal access would surface here
+    got = bev_pool_v3(*args, backend="native")
+    synchronize(device)  # an illegal access would surface here
     keep = torch.ones(rb.shape[0], dtype=torch.bool, device=device)
     keep[:400] = False
     want = bev_pool_v3(
-        a["depth"], a["feat"], rd[keep], rf[keep], rb[keep], a["bev_feat_shape"], backend="cuda"
+        a["depth"], a["feat"], rd[keep], rf[keep], rb[keep], a["bev_feat_shape"], backend="native"
     )
     assert_close(got, want, **tolerance(torch.float32))
     with pytest.raises(IndexError, match="ranks_bev"):
-        bev_pool_v3(*args, backend="cuda", validate=True)
+        bev_pool_v3(*args, backend="native", validate=True)
 
 
 @pytest.mark.gpu
@@ -519,7 +529,7 @@ def test_native_edge_cases():
     e = torch.zeros(0, dtype=torch.int32, device=device)
     a = bevdet_ranks("tiny", device=device)
     assert not bev_pool_v3(
-        a["depth"], a["feat"], e, e, e, a["bev_feat_shape"], backend="cuda"
+        a["depth"], a["feat"], e, e, e, a["bev_feat_shape"], backend="native"
     ).any()
     n = 100_000
     idx = torch.arange(n, dtype=torch.int32, device=device)
@@ -532,7 +542,7 @@ def test_native_edge_cases():
         idx,
         torch.full((n,), 3, dtype=torch.int32, device=device),
         (1, 1, 2, 2, 3),
-        backend="cuda",
+        backend="native",
     )
     # float32 sum of 1e5 products of magnitude <~1 (partial sums ~100): rounding ~1e-2 at most
     assert_close(
@@ -547,9 +557,9 @@ def test_native_edge_cases():
 def test_native_forward_is_deterministic_and_order_independent():
     device = native_gpu_device()
     a = bevdet_ranks("bevdet-r50", device=device, shuffle=True)
-    first = bev_pool_v3(*args_of(a), backend="cuda")
+    first = bev_pool_v3(*args_of(a), backend="native")
     for _ in range(3):
-        assert torch.equal(bev_pool_v3(*args_of(a), backend="cuda"), first)
+        assert torch.equal(bev_pool_v3(*args_of(a), backend="native"), first)
     # the stable sort keeps the points of a cell in index order, so a different shuffle of the
     # same points may sum in another order: equal up to float32 rounding
     perm = torch.randperm(a["ranks_bev"].shape[0], device=device)
@@ -560,7 +570,7 @@ def test_native_forward_is_deterministic_and_order_independent():
         a["ranks_feat"][perm],
         a["ranks_bev"][perm],
         a["bev_feat_shape"],
-        backend="cuda",
+        backend="native",
     )
     assert_close(again, first, **tolerance(torch.float32))
 
@@ -575,7 +585,7 @@ def test_native_backward_deterministic_when_requested():
         for _ in range(2):
             depth = a["depth"].clone().requires_grad_(True)
             feat = a["feat"].clone().requires_grad_(True)
-            out = bev_pool_v3(depth, feat, *args_of(a)[2:], backend="cuda")
+            out = bev_pool_v3(depth, feat, *args_of(a)[2:], backend="native")
             out.backward(torch.ones_like(out))
             grads.append((depth.grad, feat.grad))
     finally:
