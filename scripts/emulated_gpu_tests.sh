@@ -24,12 +24,16 @@ FILES="tests/ops/test_voxelization.py tests/ops/test_dynamic_scatter.py tests/op
   tests/ops/test_sparse_maxpool.py tests/ops/test_sparse_im2col.py tests/ops/test_sparse_native_model.py
   tests/sparse/test_spconv_api.py
   tests/ops/test_bev_pool_prepare.py tests/ops/test_bev_pool.py tests/ops/test_bev_pool_v2.py
-  tests/ops/test_bev_pool_v3.py tests/ops/test_multi_scale_deformable_attn.py"
+  tests/ops/test_bev_pool_v3.py tests/ops/test_multi_scale_deformable_attn.py
+  tests/test_op_contracts.py"
+# (test_op_contracts.py's GPU tests: every operator's native contract, opcheck of the native
+# path among them; they found an aliased output on the H200 that the op files had not, 2026-12-05)
 # 128-lane warps: the tests of the kernels whose code depends on the warp width (warp shuffles,
 # votes, per-warp arrays: voxelize, dynamic_scatter, sparse_conv, bev_pool, bev_pool_v2,
 # ms_deform_attn); full scope: every file.
 FILES128="tests/ops/test_voxelization.py tests/ops/test_dynamic_scatter.py tests/ops/test_sparse_native.py
-  tests/ops/test_bev_pool.py tests/ops/test_bev_pool_v2.py tests/ops/test_multi_scale_deformable_attn.py"
+  tests/ops/test_bev_pool.py tests/ops/test_bev_pool_v2.py tests/ops/test_multi_scale_deformable_attn.py
+  tests/test_op_contracts.py"
 SELECT=()
 # quick: test names / ids left out (pytest's -k takes no newlines, so a list here)
 SKIP_QUICK="centerpoint-0075-nus bevfusion-cam bevdet-d118 bevdet-r50-d88 bevdet-r50-2-torch
