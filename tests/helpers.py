@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from mu_space.ops import _opdef
 from mu_space.runtime import native
 from mu_space.testing import tolerances
 
@@ -76,6 +77,20 @@ def synchronize(device: torch.device) -> None:
     CPU, where the host emulation's launches are synchronous."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def poisoned_allocations(device: torch.device, nbytes: int = 1 << 30):
+    """Outputs the native path allocates inside start as NaN: an unwritten element then fails
+    the comparison. CUDA: a large block of the caching allocator filled with NaN and freed.
+    CPU (host emulation, no caching allocator): new_output's NaN fill."""
+    if device.type != "cuda":
+        with _opdef.poisoned_outputs():
+            yield
+        return
+    torch.empty(nbytes // 4, device=device).fill_(float("nan"))
+    torch.cuda.synchronize(device)
+    yield
 
 
 def graph_capture_device() -> torch.device:

@@ -5,8 +5,6 @@ Inputs come from real frustum geometry built the way BEVFusion's vtransform buil
 (mu_space.testing.bev_pool_inputs.bevfusion_inputs).
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -15,7 +13,7 @@ from mu_space.ops.bev_pool import bev_pool, bev_pool_cells, bev_pool_reference
 from mu_space.runtime import kernel_dispatch, native
 from mu_space.runtime.device import stream_handle
 from mu_space.testing.bev_pool_inputs import bevfusion_inputs
-from tests.helpers import assert_close, native_gpu_device, tolerance
+from tests.helpers import assert_close, native_gpu_device, poisoned_allocations, tolerance
 from tests.ops import _bev_fakes
 
 
@@ -356,20 +354,6 @@ GPU_CASES = [
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@contextlib.contextmanager
-def _poisoned(device, nbytes=1 << 30):
-    """Outputs the native path allocates inside start as NaN: an unwritten element then fails
-    the comparison. CUDA: a large block of the caching allocator filled with NaN and freed.
-    CPU (host emulation, no caching allocator): new_output's NaN fill."""
-    if device.type != "cuda":
-        with _opdef.poisoned_outputs():
-            yield
-        return
-    torch.empty(nbytes // 4, device=device).fill_(float("nan"))
-    torch.cuda.synchronize(device)
-    yield
-
-
 def _want(a, dtype):
     """float64 reference rounded once to the output dtype: native differs by its float32
     accumulation order (fp32) or one output rounding (fp16 / bf16): TOLERANCES covers both."""
@@ -383,7 +367,7 @@ def _want(a, dtype):
 def test_native_matches_reference(cfg, batch, channels, dtype):
     device = native_gpu_device()
     a = bevfusion_inputs(cfg, batch=batch, channels=channels, dtype=dtype, device=device)
-    with _poisoned(device):
+    with poisoned_allocations(device):
         got = bev_pool(*args_of(a), backend="native")
     assert got.dtype == dtype and got.device == device and got.is_contiguous()
     assert_close(got, _want(a, dtype), **tolerance(dtype))
@@ -569,7 +553,7 @@ def test_native_autograd_runs_the_row_grad_kernel(monkeypatch, dtype):
     grads = []
     for _ in range(2):
         feats = a["feats"].clone().requires_grad_(True)
-        with _poisoned(device):
+        with poisoned_allocations(device):
             out = bev_pool(feats, a["coords"], *dims, backend="native")
             g = torch.randn(
                 out.shape, generator=torch.Generator(device).manual_seed(1), device=device
@@ -655,7 +639,7 @@ def test_native_forward_both_sorts_bit_equal_reruns(monkeypatch, sort):
         monkeypatch.setenv("MUSPACE_BEV_POOL_ROWS_SORT", "counting")
     device = native_gpu_device()
     a = bevfusion_inputs("bevfusion-cam", device=device, keep_out_of_range=True)
-    with _poisoned(device):
+    with poisoned_allocations(device):
         first = bev_pool(*args_of(a), backend="native")
     assert_close(first, _want(a, torch.float32), **tolerance(torch.float32))
     assert torch.equal(first, bev_pool(*args_of(a), backend="native"))

@@ -6,16 +6,19 @@ Inputs: BEVDet-style ranks from real frustum geometry, not sorted, usually shuff
 (mu_space.testing.bev_pool_inputs.bevdet_ranks).
 """
 
-import contextlib
-
 import pytest
 import torch
 
-from mu_space.ops import _opdef
 from mu_space.ops.bev_pool import bev_pool
 from mu_space.ops.bev_pool_v3 import bev_pool_v3, bev_pool_v3_reference
 from mu_space.testing.bev_pool_inputs import bevdet_ranks, bevfusion_inputs
-from tests.helpers import assert_close, native_gpu_device, synchronize, tolerance
+from tests.helpers import (
+    assert_close,
+    native_gpu_device,
+    poisoned_allocations,
+    synchronize,
+    tolerance,
+)
 from tests.ops import _bev_fakes
 
 
@@ -440,19 +443,6 @@ GPU_CASES = [
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@contextlib.contextmanager
-def _poisoned(device, nbytes=1 << 30):
-    """Unwritten native outputs show up as NaN. CUDA: a large allocator block NaN-filled and
-    freed. CPU (host emulation, no caching allocator): new_output's NaN fill."""
-    if device.type != "cuda":
-        with _opdef.poisoned_outputs():
-            yield
-        return
-    torch.empty(nbytes // 4, device=device).fill_(float("nan"))
-    torch.cuda.synchronize(device)
-    yield
-
-
 def _want(a, dtype):
     """float64 reference rounded once to dtype (native: float32 accumulation, TOLERANCES)."""
     d, f = a["depth"].double(), a["feat"].double()
@@ -465,7 +455,7 @@ def _want(a, dtype):
 def test_native_matches_reference(cfg, batch, channels, dtype):
     device = native_gpu_device()
     a = bevdet_ranks(cfg, batch=batch, channels=channels, dtype=dtype, device=device, shuffle=True)
-    with _poisoned(device):
+    with poisoned_allocations(device):
         got = bev_pool_v3(*args_of(a), backend="native")
     assert got.dtype == dtype and got.is_contiguous()
     assert_close(got, _want(a, dtype), **tolerance(dtype))
