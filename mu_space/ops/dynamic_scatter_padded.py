@@ -22,8 +22,8 @@ from mu_space.ops import dynamic_scatter as ds
 # voxel_group_from_sorted, segment_reduce_forward / _backward), used here with padded groupings
 # (voxels beyond M with no rows). Its GPU tests, memcheck and racecheck passed on the H200
 # (2026-12-05); the contract tests there found two outputs aliasing one buffer and a reference
-# pad that torch 2.11 could not compile. Both fixed in Python since; those contract tests have
-# not run on a GPU again (the aliasing one passes under the host emulation's contract tests).
+# pad that torch 2.11 could not compile. Both fixed in Python; the contract tests then passed on
+# an H100 (2026-12-05, session 19: 161 passed, 4 skipped).
 UNVERIFIED = ""
 
 _PAD_ENTRY_POINTS = ("voxel_group_keys", "voxel_group_from_sorted", "voxel_group_workspace_ints")
