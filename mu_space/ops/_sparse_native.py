@@ -171,6 +171,13 @@ PER_OFFSET_MIN_ROWS = 65536
 # K > 32 offsets (no 32-bit mask) keep site order too. MUSPACE_SPARSE_CONV_ROW_ORDER=0 keeps
 # site order everywhere (A/B timing).
 ROW_ORDER_MIN_ROWS = 4096
+# SubM layers of C_in x C_out >= SUBM_ORDER_MIN_CHANNEL_PRODUCT take their out_map in mask order
+# too (forward and weight gradient): there the float32 implicit GEMM's multiplies, not the
+# gathers' locality, take the time (session 19, H100, SubM k3 at 118561 voxels: ours / spconv
+# 0.83x at 16 -> 16 but 1.16x / 1.62x at 32 -> 32 / 64 -> 64, site order), and a 64-row tile in
+# site order steps through nearly all 27 offsets where its rows have ~6-9 neighbours each.
+# MUSPACE_SPARSE_CONV_SUBM_ORDER_CHANNELS sets it (0: never, the default until measured).
+SUBM_ORDER_MIN_CHANNEL_PRODUCT = int(os.environ.get("MUSPACE_SPARSE_CONV_SUBM_ORDER_CHANNELS", 0))
 ROW_ORDER_WINDOW = 2048  # sparse_conv_row_order's kOrderWindow (rows sorted together)
 ROW_ORDER_ENABLED = os.environ.get("MUSPACE_SPARSE_CONV_ROW_ORDER", "1") != "0"
 # Why `auto` would keep site order (row_order_allowed); "" once verified: the 2048-row windows
@@ -729,12 +736,13 @@ def row_order(neighbour_map, st):
     return order
 
 
-def ordered_map(n_in: int, n_out: int, inverse: bool) -> int | None:
+def ordered_map(n_in: int, n_out: int, inverse: bool, c_in: int, c_out: int) -> int | None:
     """The neighbour map (0: out_map, 1: in_map) whose rows the implicit GEMMs take in mask
     order: a strided rule book's input side (n_in != n_out; in_map, or out_map for an inverse
-    conv), None for a SubM one (its maps keep site order: ROW_ORDER_MIN_ROWS' comment)."""
+    conv); for a SubM one its out_map from SUBM_ORDER_MIN_CHANNEL_PRODUCT on, else None (site
+    order: ROW_ORDER_MIN_ROWS' comment)."""
     if n_in == n_out:
-        return None
+        return 0 if 0 < SUBM_ORDER_MIN_CHANNEL_PRODUCT <= c_in * c_out else None
     return 0 if inverse else 1
 
 
@@ -861,7 +869,7 @@ def conv_native(c, features, weight, indice_pairs, indice_pair_num, num_out, inv
         feats, st = features.contiguous(), stream_handle(features)
         if use_implicit_gemm(feats):
             w = weight.to(feats.dtype).contiguous()
-            ordered = ordered_map(n, m, inverse) == 0
+            ordered = ordered_map(n, m, inverse, c_in, c_out) == 0
             return implicit_gemm(feats, maps[0], w, feats.dtype, st, ordered)
         out = im2col_forward(feats, weight, maps[0], st)
         return out if features.dtype == torch.float32 else out.to(features.dtype)
@@ -901,7 +909,7 @@ def conv_backward_native(
     if maps is not None:
         st = stream_handle(features)
         grad_x, grad_w = im2col_backward(grad_out, features.contiguous(), weight, maps, needs, st,
-                                         ordered_map(n, m, inverse))  # fmt: skip
+                                         ordered_map(n, m, inverse, c_in, c_out))  # fmt: skip
     else:
         grad_x, grad_w = _per_offset_backward(c, grad_out, features, weight, indice_pairs,
                                               indice_pair_num, needs, args)  # fmt: skip

@@ -224,6 +224,32 @@ def test_im2col_path_matches_the_reference(emulated, monkeypatch, case, chunk, d
     tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
 
 
+@pytest.mark.parametrize("gemm", ["implicit", "auto", "im2col"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["subm", "wide"])
+@pytest.mark.parametrize("min_product", [1, 1 << 20])
+def test_a_wide_subm_layer_takes_its_out_map_in_mask_order(emulated, monkeypatch, case, dtype,
+                                                           gemm, min_product):  # fmt: skip
+    """SUBM_ORDER_MIN_CHANNEL_PRODUCT: from that C_in x C_out on, a SubM layer's forward and
+    weight gradient take out_map in row_order's order (one order, cached between them); below
+    it site order. The same sums either way."""
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0)
+    monkeypatch.setattr(_sparse_native, "SUBM_ORDER_MIN_CHANNEL_PRODUCT", min_product)
+    monkeypatch.setattr(_sparse_native, "tensor_core_gemm", lambda device: False)
+    monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", gemm)
+    f, w, p, n, m, inv = sparse_conv.sample_case("cpu", **CASES[case])
+    args = (f.to(dtype), w.to(dtype), p, n, m, inv)
+    (got, got_g), (want, want_g) = _run(args)
+    implicit = gemm == "implicit" or (gemm == "auto" and dtype == torch.float32)
+    implicit_w = gemm == "implicit" or (
+        gemm == "auto" and dtype == torch.float32 and w.shape[2] <= _sparse_native.WGRAD_MAX_COLUMNS
+    )
+    wide = min_product <= w.shape[1] * w.shape[2]
+    assert emulated.count("sparse_conv_row_order") == int(wide and (implicit or implicit_w))
+    tolerances.assert_close(got, want, op="sparse_conv")
+    tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
+
+
 def test_a_repeated_slot_runs_the_reference(emulated):
     """A rule book whose offset lists one (input, output) pair twice: the maps cannot hold it
     and the per-offset scatter's plain adds would race on it: the reference sums both."""

@@ -383,7 +383,7 @@ IMPLICIT_CONVS = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("row_order", ["masks", "sites"])
+@pytest.mark.parametrize("row_order", ["masks", "masks-subm", "sites"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("layer", "c_in", "c_out", "inverse"), IMPLICIT_CONVS)
 def test_implicit_gemm_conv_matches_the_reference(monkeypatch, layer, c_in, c_out, inverse,
@@ -391,12 +391,16 @@ def test_implicit_gemm_conv_matches_the_reference(monkeypatch, layer, c_in, c_ou
     """sparse_conv_implicit_gemm for the forward and the input gradient, sparse_conv_implicit_wgrad
     for the weight gradient (every dtype forced: MUSPACE_SPARSE_CONV_GEMM=implicit), the rows in
     mask order (ROW_ORDER_MIN_ROWS lowered for these small rule books) or site order, within
-    the tolerance table; no im2col anywhere."""
+    the tolerance table; no im2col anywhere. masks-subm: a SubM layer's out_map in mask order
+    too (SUBM_ORDER_MIN_CHANNEL_PRODUCT 1)."""
     from mu_space.ops import _sparse_native
     from tests.helpers import recording_entry_points
 
     monkeypatch.setattr(_sparse_native, "GEMM_CHOICE", "implicit")
-    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0 if row_order == "masks" else 2**40)
+    masks = row_order.startswith("masks")
+    monkeypatch.setattr(_sparse_native, "ROW_ORDER_MIN_ROWS", 0 if masks else 2**40)
+    subm_order = 1 if row_order == "masks-subm" else 0
+    monkeypatch.setattr(_sparse_native, "SUBM_ORDER_MIN_CHANNEL_PRODUCT", subm_order)
     monkeypatch.setattr(_sparse_native, "ROW_ORDER_UNVERIFIED", "")  # the kernel under test
     args, x, w = _im2col_case(layer, c_in, c_out, inverse, dtype)
     want = sparse_conv(x, w, *args, backend="reference")
@@ -412,9 +416,10 @@ def test_implicit_gemm_conv_matches_the_reference(monkeypatch, layer, c_in, c_ou
         got_g = torch.autograd.grad(got, (x, w), g)
     assert called.count("sparse_conv_implicit_gemm") == 2  # + the input gradient
     assert called.count("sparse_conv_implicit_wgrad") == 1 and "sparse_conv_im2col" not in called
-    # a strided rule book's input side (in_map; an inverse conv's out_map): one order, cached
-    strided = not layer.startswith("subm")
-    assert called.count("sparse_conv_row_order") == (1 if row_order == "masks" and strided else 0)
+    # a strided rule book's input side (in_map; an inverse conv's out_map), with masks-subm a SubM
+    # layer's out_map: one order, cached between the calls
+    ordered = masks and (not layer.startswith("subm") or bool(subm_order))
+    assert called.count("sparse_conv_row_order") == int(ordered)
     tolerances.assert_close(got_g, want_g, op="sparse_conv", name="grad")
 
 
