@@ -437,6 +437,7 @@ def timing_settings(args: argparse.Namespace) -> dict:
         "warmup": warmup if args.warmup is None else args.warmup,
         "flush": not args.no_flush,
         "graph": args.graph,
+        "time_reference": not getattr(args, "no_reference_timing", False),
     }
 
 
@@ -522,7 +523,7 @@ def run_case(case: Case, settings: dict, copy_bw: float | None) -> dict:
     if case.compulsory_bytes:
         record["gbps"] = achieved_gbps(case.compulsory_bytes, timing.median_us)
         record["pct_of_copy_bw"] = pct_of_copy(record["gbps"], copy_bw)
-    if case.reference is not None and case.time_reference:
+    if case.reference is not None and case.time_reference and settings.get("time_reference", True):
         _time_reference(case, settings, record)
     return record
 
@@ -669,6 +670,11 @@ def common_argparser(description: str) -> argparse.ArgumentParser:
         "unless --out",
     )
     parser.add_argument("--cases", metavar="REGEX", help="only cases whose name matches")
+    parser.add_argument(
+        "--no-reference-timing",
+        action="store_true",
+        help="check against the reference but do not time it (no speedup column; A/B runs)",
+    )
     parser.add_argument(
         "--out",
         metavar="DIR",

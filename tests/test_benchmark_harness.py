@@ -149,6 +149,10 @@ def test_run_cases_reports_bandwidth_and_speedup(clock):
     assert rec["reference_median_us"] == pytest.approx(40.0)
     assert rec["speedup_vs_reference"] == pytest.approx(4.0)
     assert rec["dtype"] == "float32"
+    # --no-reference-timing: still checked against the reference, not timed
+    (rec,) = harness.run_cases([case], args=parse("--no-reference-timing"), copy_bw=400.0)
+    assert rec["checked"] is True and rec.get("reference_median_us") is None
+    assert rec.get("speedup_vs_reference") is None
 
 
 def test_failing_check_is_recorded_and_not_timed():
@@ -222,7 +226,9 @@ def test_argparser_defaults_and_case_filter():
         "warmup": 10,
         "flush": True,
         "graph": False,
+        "time_reference": True,
     }
+    assert harness.timing_settings(parse("--no-reference-timing"))["time_reference"] is False
     assert harness.run_mode(args) == "full" and harness.copy_nbytes(args) == 2 * harness.GiB
     quick, smoke = parse("--quick"), parse("--smoke")
     assert (harness.timing_settings(quick)["reps"], harness.timing_settings(quick)["warmup"]) == (
