@@ -566,10 +566,14 @@ def test_full_encoder_on_the_gpu_agrees_with_spconv(config):
     ours_err = {k: _rel(g, g_64[k], "l2") for k, g in g_ms.items()}
     spconv_err = {k: _rel(g, g_64[k], "l2") for k, g in g_sp.items()}
     worst = max(ours_err, key=ours_err.get)
+    med = {
+        k: sorted(e.values())[len(e) // 2] for k, e in (("ours", ours_err), ("spconv", spconv_err))
+    }
     print(
         f"\n{config} float32, {n} voxels: output max-rel {out_err}; gradients vs float64 (l2), "
         f"worst of ours {worst} {ours_err[worst]:.3g} (spconv {spconv_err[worst]:.3g}), "
-        f"worst of spconv {max(spconv_err.values()):.3g}"
+        f"worst of spconv {max(spconv_err.values()):.3g}, medians {med}, features: ours "
+        f"{ours_err['features']:.3g} spconv {spconv_err['features']:.3g}"
     )
     assert out_err["ours vs spconv"] <= 1e-4 and out_err["ours"] <= 1e-4, out_err
     bad = {k: (e, spconv_err[k]) for k, e in ours_err.items() if e > max(1e-4, 1.5 * spconv_err[k])}
