@@ -463,7 +463,8 @@ def _time(fn: Callable, make_args: Callable, settings: dict, timer=None) -> Timi
     if timer is not None:
         return timer(fn, make_args, settings)
     if gpu_available():
-        return time_gpu(fn, make_args, **settings)
+        timing = {k: settings[k] for k in ("reps", "warmup", "flush", "graph")}
+        return time_gpu(fn, make_args, **timing)
     return time_cpu(fn, make_args, reps=settings["reps"], warmup=settings["warmup"])
 
 

@@ -4,6 +4,7 @@ compare.py), and every benchmark script's smoke run on the CPU."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -503,6 +504,26 @@ def test_output_dir_rules(tmp_path, monkeypatch):
     assert harness.output_dir(parse()) == harness.RESULTS_ROOT / "h200"
     assert harness.output_dir(parse("--quick")) == harness.RESULTS_ROOT / "h200"
     assert harness.output_dir(parse("--smoke")) is None
+
+
+@pytest.mark.parametrize("argv", [(), ("--graph", "--no-flush"), ("--no-reference-timing",)])
+def test_a_gpu_run_hands_time_gpu_its_timing_settings_only(monkeypatch, argv):
+    """Every run option in timing_settings that is not time_gpu's (time_reference) stays out of
+    its call (a --no-reference-timing build passed it on and failed every GPU case,
+    2026-12-05)."""
+    seen = {}
+    real = inspect.signature(harness.time_gpu)
+
+    def fake_time_gpu(fn, make_args, **kwargs):
+        real.bind(fn, make_args, **kwargs)  # what the real time_gpu accepts (TypeError if not)
+        seen.update(kwargs)
+        return harness.summarize([1.0, 2.0, 3.0], "fake")
+
+    monkeypatch.setattr(harness, "gpu_available", lambda: True)
+    monkeypatch.setattr(harness, "time_gpu", fake_time_gpu)
+    settings = harness.timing_settings(parse(*argv))
+    harness._time(lambda x: x, lambda: (torch.zeros(1),), settings)
+    assert seen == {k: settings[k] for k in ("reps", "warmup", "flush", "graph")}
 
 
 @pytest.mark.parametrize("bench", BENCHES)
