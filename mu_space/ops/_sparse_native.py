@@ -176,7 +176,10 @@ ROW_ORDER_MIN_ROWS = 4096
 # gathers' locality, take the time (session 19, H100, SubM k3 at 118561 voxels: ours / spconv
 # 0.83x at 16 -> 16 but 1.16x / 1.62x at 32 -> 32 / 64 -> 64, site order), and a 64-row tile in
 # site order steps through nearly all 27 offsets where its rows have ~6-9 neighbours each.
-# MUSPACE_SPARSE_CONV_SUBM_ORDER_CHANNELS sets it (0: never, the default until measured).
+# Measured beside spconv (same H100 run, two rounds): 64 -> 64 1147 / 1202 us in site order,
+# 980 / 1094 with the order (spconv 795-898); 16 / 32 channels within the run-to-run spread.
+# MUSPACE_SPARSE_CONV_SUBM_ORDER_CHANNELS sets it; 0 (never) stays the default until the
+# encoder, whose wide layers hold fewer rows, has been timed with it.
 SUBM_ORDER_MIN_CHANNEL_PRODUCT = int(os.environ.get("MUSPACE_SPARSE_CONV_SUBM_ORDER_CHANNELS", 0))
 ROW_ORDER_WINDOW = 2048  # sparse_conv_row_order's kOrderWindow (rows sorted together)
 ROW_ORDER_ENABLED = os.environ.get("MUSPACE_SPARSE_CONV_ROW_ORDER", "1") != "0"
