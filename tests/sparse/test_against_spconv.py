@@ -456,11 +456,8 @@ def test_threads_spconv_races_ours_does_not():
     print(f"spconv 2.3.8 CPU, {torch.get_num_threads()} threads: wrong rows per call {spconv_bad}")
 
 
-@pytest.mark.parametrize("config", ["centerpoint-0075-nus", "second-kitti"])
-def test_recipe_encoder_agrees_with_spconv(config):
-    """model_examples/CenterPoint/scripts/centerpoint_sparse_encoder.py's SparseEncoder (mmdet3d's
-    layer list) built over spconv and over mu_space.sparse at the --small grid: our state_dict
-    loaded into spconv's unchanged, the same dense BEV output and gradients."""
+def _recipe():
+    """model_examples/CenterPoint/scripts/centerpoint_sparse_encoder.py as a module."""
     import importlib.util
     from pathlib import Path
 
@@ -471,6 +468,15 @@ def test_recipe_encoder_agrees_with_spconv(config):
     spec = importlib.util.spec_from_file_location("recipe_vs_spconv", path)
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
+    return recipe
+
+
+@pytest.mark.parametrize("config", ["centerpoint-0075-nus", "second-kitti"])
+def test_recipe_encoder_agrees_with_spconv(config):
+    """model_examples/CenterPoint/scripts/centerpoint_sparse_encoder.py's SparseEncoder (mmdet3d's
+    layer list) built over spconv and over mu_space.sparse at the --small grid: our state_dict
+    loaded into spconv's unchanged, the same dense BEV output and gradients."""
+    recipe = _recipe()
     cfg = recipe.small_config(recipe.ENCODERS[config])
     inputs = recipe.make_inputs(recipe.VOXELS["small"], 1, "cpu")
     torch.manual_seed(9)
@@ -499,20 +505,6 @@ def _rel(got, want, metric):
     if metric == "max":
         return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
     return float((got - want).norm() / want.norm().clamp(min=1e-30))
-
-
-def _recipe():
-    import importlib.util
-    from pathlib import Path
-
-    path = (
-        Path(__file__).resolve().parents[2]
-        / "model_examples/CenterPoint/scripts/centerpoint_sparse_encoder.py"
-    )
-    spec = importlib.util.spec_from_file_location("recipe_vs_spconv_gpu", path)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
-    return recipe
 
 
 def _encoder_step(model, features, coors):
