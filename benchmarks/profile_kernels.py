@@ -146,9 +146,14 @@ def sparse_workloads(dev):
 
 def voxel_workloads(dev):
     """The voxel family at its issue-10 target shapes: dynamic_scatter forward (voxel_group's
-    launch sequence + segment_reduce) and C = 64 backward, hard voxelization, pillar_scatter."""
+    launch sequence + segment_reduce) and C = 64 backward, hard and dynamic voxelization,
+    pillar_scatter. Beside the two bandwidth targets (dynamic voxelization, pillar_scatter) a
+    `floor-` workload moves the same bytes with torch's own kernel: a copy of half the bytes
+    (read + written) for dynamic voxelization, `zero_()` of the canvas for pillar_scatter, so
+    the kernels' durations compare on one machine."""
     from benchmarks import bench_dynamic_scatter, bench_pillar_scatter, bench_voxelization
     from mu_space.ops.dynamic_scatter import dynamic_scatter
+    from mu_space.ops.dynamic_voxelize import dynamic_voxelize
     from mu_space.ops.pillar_scatter import pillar_scatter
     from mu_space.ops.voxelization import voxelization
 
@@ -171,12 +176,23 @@ def voxel_workloads(dev):
             f"voxelization-{layer}",
             lambda a=(pts, vs, pcr, P, V): voxelization(*a, backend="native"),
         )
-    for dt in (torch.float32, torch.float16):
-        f, co, (ny, nx) = bench_pillar_scatter.inputs("pointpillars-kitti", 1, dt)
         yield (
-            f"pillar_scatter-fwd-{dt}",
-            lambda a=(f, co, 1, (ny, nx)): pillar_scatter(*a, backend="native"),
+            f"dynamic_voxelize-{layer}",
+            lambda a=(pts, vs, pcr): dynamic_voxelize(*a, backend="native"),
         )
+        moved = pts.numel() * pts.element_size() + pts.shape[0] * 3 * 4  # points + coors
+        src = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        yield f"floor-copy-dynamic_voxelize-{layer}", lambda s=src, d=dst: d.copy_(s)
+    for layer in ("pointpillars-kitti", "pointpillars-nus"):
+        for dt in (torch.float32, torch.float16):
+            f, co, (ny, nx) = bench_pillar_scatter.inputs(layer, 1, dt)
+            yield (
+                f"pillar_scatter-fwd-{layer}-{dt}",
+                lambda a=(f, co, 1, (ny, nx)): pillar_scatter(*a, backend="native"),
+            )
+            canvas = torch.empty((1, f.shape[1], ny, nx), dtype=dt, device=dev)
+            yield f"floor-fill-pillar_scatter-{layer}-{dt}", lambda c=canvas: c.zero_()
 
 
 def kernel_table(kernels: list[tuple[str, float]], calls: int, wall_us: float, top: int = 12):

@@ -150,7 +150,7 @@ group_files() {  # group_files GROUP: the test files of a sanitizer group
     pib) echo "${t}points_in_boxes.py" ;;
     roi) echo "${t}roiaware_pool3d.py ${t}roipoint_pool3d.py" ;;
     sparse | sparse_gemm* | sparse_rulebook | sparse_order*) echo "${t}sparse_native.py" ;;
-    pillar | pillar_tiled | pillar_tiled_small) echo "${t}pillar_scatter.py" ;;
+    pillar | pillar_tiled | pillar_tiled_small | pillar_kept) echo "${t}pillar_scatter.py" ;;
     # the BEV family's kernels (issue 13), outside the LiDAR suite but on the same sanitizer run
     bev | bev_mem | bev_race) echo "${t}bev_pool_v2.py ${t}bev_pool.py" ;;
     msda_mem | msda_race) echo "${t}multi_scale_deformable_attn.py" ;;  # MSDA backward modes
@@ -171,6 +171,8 @@ group_k() {
     # pillar_scatter's one-launch forward; _small (racecheck) on the tiny canvas only
     pillar_tiled) echo "tiled" ;;
     pillar_tiled_small) echo "tiled and not pointpillars" ;;
+    # the cell map kept between calls (tags, the wrap) and the entry point's map_tag
+    pillar_kept) echo "kept or tags" ;;
     # the nms3d cases a 240-s racecheck run had not reached (H200, 2026-12-01)
     nms_rest) echo "box_limit or workspace or visits" ;;
     nms_quick) echo "not box_limit" ;;  # racecheck of the 196608-box case alone exceeded 150 s

@@ -122,13 +122,13 @@ def collect(path: str) -> dict:
     cmap = np.zeros(B * ny * nx, i32)
     canvas = np.zeros((B, C, ny, nx), f32)
     cases["pillar_scatter_forward"] = _battery(
-        lib, "pillar_scatter_forward", [feats, coors, cmap, canvas, 0]
+        lib, "pillar_scatter_forward", [feats, coors, cmap, 0, canvas, 0]
     )
     cases["pillar_scatter_forward_tiled"] = _battery(
         lib, "pillar_scatter_forward_tiled", [feats, coors, canvas.copy(), 0]
     )
     cases["pillar_scatter_backward"] = _battery(
-        lib, "pillar_scatter_backward", [canvas, coors, cmap, feats.copy(), 0]
+        lib, "pillar_scatter_backward", [canvas, coors, cmap, 0, feats.copy(), 0]
     )
     return cases
 

@@ -1,13 +1,15 @@
 // pillar_scatter (mmdet3d's PointPillarsScatter) for MUSA and CUDA: pillar features [M, C] and
 // coors [M, 4] (batch, z, y, x) -> the dense canvas [B, C, ny, nx]; and its backward.
 //
-// Forward: (1) the caller's cell map [B * ny * nx] int32 is filled with -1; (2) per pillar
-// inside the canvas, atomicMax(map[cell], pillar): the last (highest) pillar of a cell wins, a
-// fixed rule (upstream's index_put leaves it unspecified); (3) a thread per cell writes the
-// cell's C channels (consecutive threads -> consecutive cells: every store coalesced; the
-// canvas write is the compulsory traffic that dominates), copying raw element bits. Backward:
-// the same map, then a thread per (pillar, channel): the cell's gradient for the winner of its
-// cell, 0 otherwise. No host synchronisation, CUDA-graph capturable.
+// Forward: (1) per pillar inside the canvas, an unsigned atomicMax of tag << 24 | pillar into
+// the caller's cell map [B * ny * nx]: the last (highest) pillar of a cell wins, a fixed rule
+// (upstream's index_put leaves it unspecified), and an entry of an older tag reads as an empty
+// cell, so a map kept between calls with a new tag each call needs no fill (map_tag 0: any map,
+// zeroed here first); (2) a thread per cell writes the cell's C channels (consecutive threads ->
+// consecutive cells: every store coalesced; the canvas write is the compulsory traffic that
+// dominates), copying raw element bits. Backward: the same map, then a thread per (pillar,
+// channel): the cell's gradient for the winner of its cell, 0 otherwise. No host
+// synchronisation, CUDA-graph capturable.
 
 #include <tvm/ffi/function.h>
 
@@ -31,8 +33,24 @@ namespace {
 
 using scan::kBlock;  // 256 threads, the voxel family's block
 constexpr int kBlocksPerSm = 8;
-constexpr int64_t kMaxPillars = INT_MAX;
+// A cell map entry is tag << kTagShift | pillar: pillars below 2^24, tags 1 .. kMaxMapTag.
+constexpr int kTagShift = 24;
+constexpr int64_t kMaxPillars = (int64_t{1} << kTagShift) - 1;
+constexpr int64_t kMaxMapTag = 255;
 MUSPACE_LIMIT(pillar_scatter, max_pillars, kMaxPillars);
+MUSPACE_LIMIT(pillar_scatter, max_map_tag, kMaxMapTag);
+
+// Reads the cell map of one call: its entries are tag_bits | pillar; an entry of any other tag
+// (an older call's, or the zeroed map's 0) leaves a bit of tag_bits' byte set after the XOR and
+// so reads as no pillar, as does a pillar index not below m (never an out-of-bounds row).
+struct CellMap {
+  unsigned tag_bits;  // tag << kTagShift
+  int m;
+  __device__ __forceinline__ int row(int entry) const {
+    const unsigned u = static_cast<unsigned>(entry) ^ tag_bits;
+    return u < static_cast<unsigned>(m) ? static_cast<int>(u) : -1;
+  }
+};
 
 // The canvas cell of pillar i, or -1 outside the canvas (batch, y or x out of range).
 template <typename I>
@@ -47,10 +65,12 @@ __device__ __forceinline__ int64_t pillar_cell(const I* coors, int64_t i, int ba
 template <typename I>
 __global__ void __launch_bounds__(kBlock)
     pillar_map_kernel(const I* __restrict__ coors, int m, int batch, int ny, int nx,
-                      int* __restrict__ cell_map) {
+                      unsigned tag_bits, int* __restrict__ cell_map) {
   for (int64_t i = global_thread(); i < m; i += global_threads()) {
     const int64_t cell = pillar_cell(coors, i, batch, ny, nx);
-    if (cell >= 0) atomicMax(&cell_map[cell], static_cast<int>(i));
+    if (cell >= 0) {
+      atomicMax(reinterpret_cast<unsigned*>(&cell_map[cell]), tag_bits | static_cast<unsigned>(i));
+    }
   }
 }
 
@@ -144,18 +164,18 @@ __device__ __forceinline__ void store_channel(const W* __restrict__ feats, int c
 
 template <typename W, bool kVectorRows>
 __global__ void __launch_bounds__(kBlock)
-    canvas_vector_kernel(const W* __restrict__ feats, int m, int channels,
+    canvas_vector_kernel(const W* __restrict__ feats, CellMap map, int channels, int channel_chunk,
                          const int* __restrict__ cell_map, int batch, int64_t plane,
                          W* __restrict__ canvas) {
   constexpr int K = Vector16<W>::kCells;
   static_assert(K % 4 == 0, "the map entries of a group are whole int4 loads");
   static_assert(kChannelChunk % kSubChunk == 0, "whole sub-chunks");
   const int64_t groups = plane / K;
-  const int chunks = (channels + kChannelChunk - 1) / kChannelChunk;
+  const int chunks = (channels + channel_chunk - 1) / channel_chunk;
   for (int b = blockIdx.z; b < batch; b += gridDim.z) {
     for (int chunk = blockIdx.y; chunk < chunks; chunk += gridDim.y) {
-      const int c0 = chunk * kChannelChunk;
-      const int c1 = ::min(channels, c0 + kChannelChunk);
+      const int c0 = chunk * channel_chunk;
+      const int c1 = ::min(channels, c0 + channel_chunk);
       for (int64_t q = global_thread(); q < groups; q += global_threads()) {
         const int64_t cell = static_cast<int64_t>(b) * plane + q * K;
         int row[K];  // the pillar of each cell, or -1
@@ -166,7 +186,7 @@ __global__ void __launch_bounds__(kBlock)
           const int pk[4] = {p.x, p.y, p.z, p.w};
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            row[k4 + k] = static_cast<unsigned>(pk[k]) < static_cast<unsigned>(m) ? pk[k] : -1;
+            row[k4 + k] = map.row(pk[k]);
             any |= row[k4 + k] >= 0;
           }
         }
@@ -193,15 +213,15 @@ __global__ void __launch_bounds__(kBlock)
 // Any plane or alignment: a thread per cell, all channels.
 template <typename W>
 __global__ void __launch_bounds__(kBlock)
-    canvas_kernel(const W* __restrict__ feats, int m, int channels,
+    canvas_kernel(const W* __restrict__ feats, CellMap map, int channels,
                   const int* __restrict__ cell_map, int batch, int64_t plane,
                   W* __restrict__ canvas) {
   const int64_t cells = static_cast<int64_t>(batch) * plane;
   RowCol rc(global_thread(), global_threads(), static_cast<int>(plane));  // (b, yx)
   for (int64_t cell = global_thread(); cell < cells; cell += global_threads(), rc.next()) {
     W* dst = canvas + rc.row * channels * plane + rc.col;
-    const int p = cell_map[cell];
-    const bool has = static_cast<unsigned>(p) < static_cast<unsigned>(m);
+    const int p = map.row(cell_map[cell]);
+    const bool has = p >= 0;
     const W* src = feats + static_cast<int64_t>(has ? p : 0) * channels;
     for (int c = 0; c < channels; ++c) dst[c * plane] = has ? src[c] : W(0);
   }
@@ -209,9 +229,10 @@ __global__ void __launch_bounds__(kBlock)
 
 template <typename W, typename I>
 __global__ void __launch_bounds__(kBlock)
-    pillar_grad_kernel(const W* __restrict__ grad_canvas, const I* __restrict__ coors, int m,
+    pillar_grad_kernel(const W* __restrict__ grad_canvas, const I* __restrict__ coors, CellMap map,
                        int channels, const int* __restrict__ cell_map, int batch, int ny, int nx,
                        W* __restrict__ grad) {
+  const int m = map.m;
   const int64_t plane = static_cast<int64_t>(ny) * nx;
   const int64_t total = static_cast<int64_t>(m) * channels;
   if (channels <= 0) return;
@@ -221,7 +242,7 @@ __global__ void __launch_bounds__(kBlock)
     const int c = rc.col;
     const int64_t cell = pillar_cell(coors, i, batch, ny, nx);
     W g = W(0);
-    if (cell >= 0 && cell_map[cell] == static_cast<int>(i)) {
+    if (cell >= 0 && map.row(cell_map[cell]) == static_cast<int>(i)) {
       const int64_t b = cell / plane;
       g = grad_canvas[(b * channels + c) * plane + (cell - b * plane)];
     }
@@ -369,18 +390,44 @@ Canvas check_canvas(const TensorView& feats, const char* feats_name, const Tenso
   return k;
 }
 
-void fill_map(const TensorView& coors, const Canvas& k, TensorView cell_map, int device_id,
-              gpuStream_t st) {
-  launch_fill(data_of(cell_map), cell_map.numel() * 4, fill_word(static_cast<int32_t>(-1)),
-              device_id, st, "pillar_scatter fill (cell map)");
-  if (k.m == 0) return;
+// The pillar map of one call (pillar_map_kernel with map_tag's bits) -> the CellMap that reads
+// it. map_tag 1 .. kMaxMapTag: cell_map holds no entry of that tag or above (the caller keeps
+// the map between calls and raises the tag each call, zeroing the map when it wraps); map_tag
+// 0: any content, zeroed here first, then tag 1.
+void check_map_tag(int64_t map_tag) {
+  if (map_tag < 0 || map_tag > kMaxMapTag) {
+    TVM_FFI_THROW(ValueError) << "map_tag must be 0 .. " << kMaxMapTag << ", got " << map_tag;
+  }
+}
+
+CellMap map_pillars(const TensorView& coors, const Canvas& k, TensorView cell_map, int64_t map_tag,
+                    int device_id, gpuStream_t st) {
+  if (map_tag == 0) {
+    launch_zero(data_of(cell_map), cell_map.numel() * 4, device_id, st,
+                "pillar_scatter zero (cell map)");
+    map_tag = 1;
+  }
+  const CellMap map{static_cast<unsigned>(map_tag) << kTagShift, static_cast<int>(k.m)};
+  if (k.m == 0) return map;
   dispatch_index(coors, "coors", [&](auto tag) {
     using I = decltype(tag);
     pillar_map_kernel<I><<<blocks_for(k.m, device_id), kBlock, 0, st>>>(
-        data_of<const I>(coors), static_cast<int>(k.m), k.batch, k.ny, k.nx,
+        data_of<const I>(coors), static_cast<int>(k.m), k.batch, k.ny, k.nx, map.tag_bits,
         data_of<int>(cell_map));
     check_launch("pillar_map_kernel");
   });
+  return map;
+}
+
+// The canvas kernel's channels per thread (a multiple of kSubChunk; each chunk re-reads the
+// map): kChannelChunk, or MUSPACE_PILLAR_CHANNEL_CHUNK for tuning runs (read once per process).
+int channel_chunk() {
+  static const int chunk = [] {
+    const char* v = std::getenv("MUSPACE_PILLAR_CHANNEL_CHUNK");
+    const int want = v == nullptr ? kChannelChunk : std::atoi(v);
+    return std::max(kSubChunk, want / kSubChunk * kSubChunk);
+  }();
+  return chunk;
 }
 
 // The canvas kernel's vector feature loads (kVectorRows); MUSPACE_PILLAR_VECTOR_ROWS=0 turns
@@ -393,26 +440,28 @@ bool vector_rows_enabled() {
   return on;
 }
 
-void forward(TensorView feats, TensorView coors, TensorView cell_map, TensorView canvas,
-             int64_t stream) {
+void forward(TensorView feats, TensorView coors, TensorView cell_map, int64_t map_tag,
+             TensorView canvas, int64_t stream) {
   const Canvas k = check_canvas(feats, "voxel_features", coors, canvas, "canvas", cell_map);
+  check_map_tag(map_tag);
   if (canvas.numel() == 0) return;
   const int device_id = feats.device().device_id;
   DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
-  fill_map(coors, k, cell_map, device_id, st);
+  const CellMap map = map_pillars(coors, k, cell_map, map_tag, device_id, st);
   const int64_t plane = static_cast<int64_t>(k.ny) * k.nx;
   const int elem = element_bytes(feats);
   auto launch = [&](auto word_tag) {
     using W = decltype(word_tag);
     constexpr int K = Vector16<W>::kCells;
     if (plane % K == 0 && is_aligned(canvas, 16) && is_aligned(cell_map, 16)) {
-      const int chunks = static_cast<int>((k.channels + kChannelChunk - 1) / kChannelChunk);
+      const int chunk = channel_chunk();
+      const int chunks = static_cast<int>((k.channels + chunk - 1) / chunk);
       const dim3 grid(blocks_for(plane / K, device_id), std::min(chunks, 65535),
                       std::min(k.batch, 65535));
       auto vector = [&](auto rows_tag) {
         canvas_vector_kernel<W, decltype(rows_tag)::value><<<grid, kBlock, 0, st>>>(
-            data_of<const W>(feats), static_cast<int>(k.m), static_cast<int>(k.channels),
+            data_of<const W>(feats), map, static_cast<int>(k.channels), chunk,
             data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
       };
       if (vector_rows_enabled() && k.channels % kSubChunk == 0 &&
@@ -423,7 +472,7 @@ void forward(TensorView feats, TensorView coors, TensorView cell_map, TensorView
       }
     } else {
       canvas_kernel<W><<<blocks_for(k.batch * plane, device_id), kBlock, 0, st>>>(
-          data_of<const W>(feats), static_cast<int>(k.m), static_cast<int>(k.channels),
+          data_of<const W>(feats), map, static_cast<int>(k.channels),
           data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
     }
     check_launch("pillar canvas_kernel");
@@ -512,20 +561,21 @@ bool forward_tiled(TensorView feats, TensorView coors, TensorView canvas, int64_
   return true;
 }
 
-void backward(TensorView grad_canvas, TensorView coors, TensorView cell_map, TensorView grad,
-              int64_t stream) {
+void backward(TensorView grad_canvas, TensorView coors, TensorView cell_map, int64_t map_tag,
+              TensorView grad, int64_t stream) {
   const Canvas k = check_canvas(grad, "grad", coors, grad_canvas, "grad_canvas", cell_map);
+  check_map_tag(map_tag);
   if (grad.numel() == 0) return;
   const int device_id = grad.device().device_id;
   DeviceGuard guard(device_id);
   const gpuStream_t st = as_stream(stream);
-  fill_map(coors, k, cell_map, device_id, st);
+  const CellMap map = map_pillars(coors, k, cell_map, map_tag, device_id, st);
   dispatch_index(coors, "coors", [&](auto itag) {
     using I = decltype(itag);
     auto launch = [&](auto word_tag) {
       using W = decltype(word_tag);
       pillar_grad_kernel<W, I><<<blocks_for(k.m * k.channels, device_id), kBlock, 0, st>>>(
-          data_of<const W>(grad_canvas), data_of<const I>(coors), static_cast<int>(k.m),
+          data_of<const W>(grad_canvas), data_of<const I>(coors), map,
           static_cast<int>(k.channels), data_of<const int>(cell_map), k.batch, k.ny, k.nx,
           data_of<W>(grad));
       check_launch("pillar_grad_kernel");

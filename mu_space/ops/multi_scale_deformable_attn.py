@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from mu_space.ops import _opdef
 from mu_space.ops._checks import dtype_name
 from mu_space.runtime import native
-from mu_space.runtime.device import stream_handle
+from mu_space.runtime.device import stream_capturing, stream_handle
 
 OP = "multi_scale_deformable_attn"
 _ENTRY_POINTS = (
@@ -191,7 +191,7 @@ def _version(t: torch.Tensor):
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return bool(stream_capturing(device))  # unknown (None): as not capturing
 
 
 def _cache(key, meta: _LevelMeta) -> _LevelMeta:

@@ -2,8 +2,9 @@
 forward and backward. Formula and the rules for duplicates / out-of-range rows: the public
 function's docstring and docs/operators/pillar_scatter.md.
 
-Native path (csrc/voxel/pillar_scatter_musa.mu): a cell -> pillar map (filled with -1, then
-atomicMax of the pillar index: the last pillar of a cell wins, deterministically), then one
+Native path (csrc/voxel/pillar_scatter_musa.mu): a cell -> pillar map (an atomicMax of
+tag << 24 | pillar: the last pillar of a cell wins, deterministically; the map is kept between
+calls and each call's entries carry a new tag, so it needs no fill: KEEP_MAP below), then one
 kernel writing every canvas element (a thread per cell, the channels in coalesced rows: the
 canvas write dominates); or, where it applies, one launch without the map (TILED below).
 Backward: the same map, then each pillar gathers its cell's gradient (0 for a pillar that lost
@@ -19,7 +20,7 @@ import torch
 from mu_space.ops import _opdef, _voxel
 from mu_space.ops._checks import check_same_device, check_tensor, dtype_name
 from mu_space.runtime import native
-from mu_space.runtime.device import stream_handle
+from mu_space.runtime.device import stream_capturing, stream_handle
 
 FEAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 NATIVE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -125,8 +126,35 @@ def _supports(c: _opdef.Checked) -> str | None:
     return None
 
 
-def _cell_map(voxel_features, B, ny, nx):
-    return torch.empty(B * ny * nx, dtype=torch.int32, device=voxel_features.device)
+# The cell map kept between calls, per (device, stream): pillar_map_kernel writes tag << 24 |
+# pillar and reads any other tag as an empty cell, so with the tag raised each call the map
+# needs no fill launch (the fill was one of the map path's three launches: ~2.3 us of kernel
+# plus its gap beside a ~19 us canvas kernel, H200, KITTI float32). The tag wraps after
+# max_map_tag calls; the map is zeroed then. A map per stream, allocated on it: its calls are
+# ordered. Not under graph capture (a replay would reuse the captured tag): there, and with
+# MUSPACE_PILLAR_KEEP_MAP=0 (A/B timing), a fresh map zeroed by the entry point (tag 0).
+KEEP_MAP = os.environ.get("MUSPACE_PILLAR_KEEP_MAP", "1") != "0"
+_KEPT_MAPS_MAX = 16
+_kept_maps: dict[tuple, list] = {}  # (device, stream) -> [map tensor (int32), last tag]
+
+
+def _cell_map(voxel_features, B, ny, nx) -> tuple[torch.Tensor, int]:
+    """(cell map [B * ny * nx] int32, map_tag) for one native call."""
+    cells, device = B * ny * nx, voxel_features.device
+    if not KEEP_MAP or stream_capturing(device) is not False:
+        return torch.empty(cells, dtype=torch.int32, device=device), 0
+    key = (device, stream_handle(voxel_features))
+    kept = _kept_maps.pop(key, None)
+    if kept is None or kept[0].numel() < cells:
+        kept = [torch.zeros(cells, dtype=torch.int32, device=device), 0]
+    kept[1] += 1
+    if kept[1] > native.limit("pillar_scatter.max_map_tag"):
+        kept[0].zero_()
+        kept[1] = 1
+    _kept_maps[key] = kept  # most recent last
+    while len(_kept_maps) > _KEPT_MAPS_MAX:
+        _kept_maps.pop(next(iter(_kept_maps)))
+    return kept[0][:cells], kept[1]
 
 
 # The forward in one launch without a cell map (pillar_scatter_forward_tiled: a block per tile
@@ -150,7 +178,8 @@ def _forward_native(c, voxel_features, coors, batch_size, output_shape):
     if TILED and _opdef.step_allowed(TILED_UNVERIFIED):
         if native.function("pillar_scatter_forward_tiled")(feats, coors, canvas, st):
             return canvas
-    native.function("pillar_scatter_forward")(feats, coors, _cell_map(feats, B, ny, nx), canvas, st)
+    cell_map, map_tag = _cell_map(feats, B, ny, nx)
+    native.function("pillar_scatter_forward")(feats, coors, cell_map, map_tag, canvas, st)
     return canvas
 
 
@@ -162,8 +191,9 @@ def _backward_native(
     grad_out = grad_out.to(feats.dtype).contiguous()
     grad = _opdef.new_output(feats)
     if grad.numel():
+        cell_map, map_tag = _cell_map(feats, B, ny, nx)
         native.function("pillar_scatter_backward")(
-            grad_out, coors, _cell_map(feats, B, ny, nx), grad, stream_handle(feats)
+            grad_out, coors, cell_map, map_tag, grad, stream_handle(feats)
         )
     return (grad,)
 

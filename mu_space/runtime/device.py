@@ -27,3 +27,14 @@ _STREAM_GETTERS = {"cuda": _cuda_stream, "musa": _musa_stream, "cpu": _no_stream
 def stream_handle(tensor: torch.Tensor) -> int:
     """Raw handle of the current stream on `tensor`'s device (torch's, not the device default)."""
     return _STREAM_GETTERS[tensor.device.type](tensor.get_device())
+
+
+def stream_capturing(device: torch.device) -> bool | None:
+    """Whether the current stream on `device` is capturing a graph: True / False, or None where
+    the device's torch cannot say (a torch_musa without `is_current_stream_capturing`)."""
+    if device.type == "cuda":
+        return torch.cuda.is_current_stream_capturing()
+    if device.type == "musa":
+        probe = getattr(torch.musa, "is_current_stream_capturing", None)
+        return bool(probe()) if probe is not None else None
+    return False

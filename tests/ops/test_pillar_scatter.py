@@ -216,16 +216,26 @@ def test_native_canvas_vectors_and_fallback(ny, nx, offset, channels, feats_offs
     buf = torch.full((B * C * ny * nx + offset,), float("nan"), dtype=dtype, device=device)
     canvas = buf[offset:].view(B, C, ny, nx)
     cell_map = torch.empty(B * ny * nx, dtype=torch.int32, device=device)
-    native.function("pillar_scatter_forward")(f, c, cell_map, canvas, stream_handle(f))
+    native.function("pillar_scatter_forward")(f, c, cell_map, 0, canvas, stream_handle(f))
     assert torch.equal(canvas.cpu(), want)
     assert torch.isnan(buf[:offset]).all()  # nothing before the canvas
 
 
 @pytest.mark.gpu
-def test_native_vector_rows_knob_keeps_results():
-    """MUSPACE_PILLAR_VECTOR_ROWS=0 (profiling: one feature load per channel instead of the
-    vector loads) is read once per process, so it runs in a child process: the KITTI canvas at
-    C = 64 in both dtypes, bit-exact against the reference."""
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"MUSPACE_PILLAR_VECTOR_ROWS": "0"},
+        {"MUSPACE_PILLAR_CHANNEL_CHUNK": "4"},
+        {"MUSPACE_PILLAR_CHANNEL_CHUNK": "18"},  # rounded down to 16
+        {"MUSPACE_PILLAR_CHANNEL_CHUNK": "64", "MUSPACE_PILLAR_KEEP_MAP": "0"},
+    ],
+)
+def test_native_canvas_knobs_keep_results(env):
+    """The profiling / tuning knobs read once per process (MUSPACE_PILLAR_VECTOR_ROWS=0: one
+    feature load per channel; MUSPACE_PILLAR_CHANNEL_CHUNK: channels per canvas thread;
+    MUSPACE_PILLAR_KEEP_MAP=0: a fresh map each call) run in a child process: the KITTI canvas
+    at C = 64 and a tiny one at C = 20 in both dtypes, bit-exact against the reference."""
     import os
     import subprocess
     import sys
@@ -236,15 +246,17 @@ def test_native_vector_rows_knob_keeps_results():
         "import sys, torch, mu_space\n"
         "from tests.ops.test_pillar_scatter import _pillars\n"
         "for dt in (torch.float32, torch.float16):\n"
-        "    f, c, B, shape = _pillars('pointpillars-kitti', 1, 64, dt)\n"
-        "    want = mu_space.pillar_scatter(f, c, B, shape, backend='reference')\n"
-        f"    got = mu_space.pillar_scatter(f.to('{device}'), c.to('{device}'), B, shape,"
+        "    for cfg, C in (('pointpillars-kitti', 64), ('tiny-pillars', 20)):\n"
+        "        f, c, B, shape = _pillars(cfg, 1, C, dt)\n"
+        "        want = mu_space.pillar_scatter(f, c, B, shape, backend='reference')\n"
+        f"        got = mu_space.pillar_scatter(f.to('{device}'), c.to('{device}'), B, shape,"
         " backend='native')\n"
-        "    if not torch.equal(got.cpu(), want): sys.exit(1)\n"
+        "        if not torch.equal(got.cpu(), want): sys.exit(1)\n"
     )
-    env = dict(os.environ, MUSPACE_PILLAR_VECTOR_ROWS="0")
     root = str(Path(__file__).resolve().parents[2])
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=root, check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", code], env=dict(os.environ, **env), cwd=root, check=True, timeout=300
+    )
 
 
 @pytest.mark.gpu
@@ -266,7 +278,9 @@ def test_native_canvas_beyond_int32_elements(ny, nx, C):
     feats = torch.arange(1, cells.numel() * C + 1, dtype=torch.float16).view(-1, C).to(device)
     canvas = torch.full((1, C, ny, nx), float("nan"), dtype=torch.float16, device=device)
     cell_map = torch.empty(plane, dtype=torch.int32, device=device)
-    native.function("pillar_scatter_forward")(feats, coors, cell_map, canvas, stream_handle(feats))
+    native.function("pillar_scatter_forward")(
+        feats, coors, cell_map, 0, canvas, stream_handle(feats)
+    )
     flat = canvas.view(C, plane)
     assert torch.equal(flat[:, cells.to(device)], feats.t())
     assert int(torch.count_nonzero(flat)) == cells.numel() * C  # the rest written 0
@@ -475,3 +489,88 @@ def test_native_tiled_forward_hands_back_and_the_op_takes_it(monkeypatch):
     with _opdef.poisoned_outputs():
         got = mu_space.pillar_scatter(f, c, B, (ny, nx), backend="native")
     assert names == ["pillar_scatter_forward"] and torch.equal(got.cpu(), want)
+
+
+def _kept_map_cases():
+    """Calls in a row on one stream: other clouds, batch sizes and channels, so cells of an
+    earlier call are empty in a later one (a stale entry must read as empty) and the map
+    grows, then serves a smaller canvas from its first cells."""
+    kitti = _pillars("pointpillars-kitti", 1, 64)
+    tiny2 = _pillars("tiny-pillars", 2, 16)
+    tiny3 = _pillars("tiny-pillars", 3, 5, torch.float16)
+    f, c, B, shape = tiny2
+    half = (f[::2].contiguous(), c[::2].contiguous(), B, shape)  # half of the same cells
+    return [tiny2, half, kitti, tiny3, tiny2, half]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("near_wrap", [False, True])
+def test_native_kept_cell_map_across_calls(monkeypatch, near_wrap):
+    """The cell map kept between calls (KEEP_MAP: one map per device and stream, a new tag each
+    call, no fill): forward and backward give the reference's bits in every call of a row whose
+    clouds leave cells of earlier calls empty; with near_wrap the tag passes max_map_tag (the
+    map is zeroed there and the tag restarts at 1) in the middle of the row."""
+    from mu_space.runtime import native
+
+    ps = sys.modules["mu_space.ops.pillar_scatter"]
+    device = native_gpu_device()
+    monkeypatch.setattr(ps, "KEEP_MAP", True)
+    monkeypatch.setattr(ps, "_kept_maps", {})
+    limit = native.limit("pillar_scatter.max_map_tag")
+    tags = []
+    for step, (feats, coors, B, shape) in enumerate(_kept_map_cases()):
+        if near_wrap and step == 3:
+            (kept,) = ps._kept_maps.values()
+            kept[1] = limit - 1  # this forward: limit; its backward: wrapped, zeroed, 1
+        f = feats.to(device, copy=True).requires_grad_(True)
+        c = coors.to(device)
+        want = mu_space.pillar_scatter(feats, coors, B, shape, backend="reference")
+        with _opdef.poisoned_outputs():
+            got = mu_space.pillar_scatter(f, c, B, shape, backend="native")
+        assert torch.equal(got.cpu(), want), f"forward, call {step}"
+        g = torch.randn(got.shape, generator=torch.Generator().manual_seed(step)).to(feats.dtype)
+        got.backward(g.to(device))
+        fr = feats.clone().requires_grad_(True)
+        mu_space.pillar_scatter(fr, coors, B, shape, backend="reference").backward(g)
+        assert torch.equal(f.grad.cpu(), fr.grad), f"backward, call {step}"
+        (kept,) = ps._kept_maps.values()
+        tags.append(kept[1])
+    # two tags a step (forward, backward); a new map (tags from 1) for kitti's larger canvas,
+    # kept for the smaller ones after it
+    assert tags == ([2, 4, 2, 1, 3, 5] if near_wrap else [2, 4, 2, 4, 6, 8])
+    assert ps._kept_maps[next(iter(ps._kept_maps))][0].numel() == max(
+        B * shape[0] * shape[1] for _, _, B, shape in _kept_map_cases()
+    )
+
+
+@pytest.mark.gpu
+def test_native_cell_map_tags_and_their_errors():
+    """The entry point's map_tag: 0 zeroes any map first; a tag above every entry of the map
+    needs no fill; entries of an older tag read as empty cells, and a map_tag outside
+    0 .. max_map_tag is a ValueError naming it (nothing launched)."""
+    from mu_space.runtime import native
+    from mu_space.runtime.device import stream_handle
+
+    device = native_gpu_device()
+    feats, coors, B, (ny, nx) = _pillars("tiny-pillars", 2, 16)
+    f, c = feats.to(device), coors.to(device)
+    want = mu_space.pillar_scatter(feats, coors, B, (ny, nx), backend="reference")
+    forward = native.function("pillar_scatter_forward")
+    canvas = torch.full((B, 16, ny, nx), float("nan"), device=device)
+    garbage = torch.randint(-(2**31), 2**31 - 1, (B * ny * nx,), dtype=torch.int32)
+    cell_map = garbage.to(device)
+    forward(f, c, cell_map, 0, canvas, stream_handle(f))  # any content: zeroed first
+    assert torch.equal(canvas.cpu(), want)
+    limit = native.limit("pillar_scatter.max_map_tag")
+    # entries of tag 1 (the call above) and below: tags 2 and limit read them as empty
+    for tag in (2, limit):
+        canvas.fill_(float("nan"))
+        half_f, half_c = f[1::2].contiguous(), c[1::2].contiguous()
+        forward(half_f, half_c, cell_map, tag, canvas, stream_handle(f))
+        half = mu_space.pillar_scatter(feats[1::2], coors[1::2], B, (ny, nx), backend="reference")
+        assert torch.equal(canvas.cpu(), half)
+    for bad in (-1, limit + 1):
+        canvas.fill_(float("nan"))
+        with pytest.raises(ValueError, match="map_tag"):
+            forward(f, c, cell_map, bad, canvas, stream_handle(f))
+        assert canvas.isnan().all()
