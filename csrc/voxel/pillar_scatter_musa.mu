@@ -472,8 +472,8 @@ void forward(TensorView feats, TensorView coors, TensorView cell_map, int64_t ma
       }
     } else {
       canvas_kernel<W><<<blocks_for(k.batch * plane, device_id), kBlock, 0, st>>>(
-          data_of<const W>(feats), map, static_cast<int>(k.channels),
-          data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
+          data_of<const W>(feats), map, static_cast<int>(k.channels), data_of<const int>(cell_map),
+          k.batch, plane, data_of<W>(canvas));
     }
     check_launch("pillar canvas_kernel");
   };
@@ -575,9 +575,8 @@ void backward(TensorView grad_canvas, TensorView coors, TensorView cell_map, int
     auto launch = [&](auto word_tag) {
       using W = decltype(word_tag);
       pillar_grad_kernel<W, I><<<blocks_for(k.m * k.channels, device_id), kBlock, 0, st>>>(
-          data_of<const W>(grad_canvas), data_of<const I>(coors), map,
-          static_cast<int>(k.channels), data_of<const int>(cell_map), k.batch, k.ny, k.nx,
-          data_of<W>(grad));
+          data_of<const W>(grad_canvas), data_of<const I>(coors), map, static_cast<int>(k.channels),
+          data_of<const int>(cell_map), k.batch, k.ny, k.nx, data_of<W>(grad));
       check_launch("pillar_grad_kernel");
     };
     if (element_bytes(grad) == 4) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 20, call B (right after A, on the warm machine): Nsight Compute durations of the
 # issue-10 bandwidth kernels beside torch's copy / fill of the same bytes (profile_kernels'
-# floor- workloads; cold caches), then the final form of the GPU agreement test with spconv.
+# floor- workloads; cold caches), torch.profiler's in-stream split, then the final form of the GPU agreement test with spconv.
 # carry: .whl, .peers/muspace_lib.tar.xz, .peers/spconv9. Writes into $OUT.
 set -uo pipefail
 F=$OUT
@@ -18,6 +18,12 @@ for k in 1 0; do
   echo "== ncu keep_map=$k: rc $? ($(( $(date +%s) - t0 )) s)"
   grep -E "^== |^  [a-zA-Z_].*\(|gpu__time_duration|dram__bytes" $F/ncu_k$k.txt | cut -c1-150 | head -80
 done
+# in-stream split (torch.profiler, warm L2) of the one-call dynamic_scatter forward and the pillar
+# forward: which launches the 60-us / 50-% targets are up against
+timeout 120 python3 -m benchmarks.profile_kernels --torch-profiler \
+  --only "dynamic_scatter-fwd|pillar_scatter-fwd|dynamic_voxelize" > $F/torch_profile.txt 2>&1
+echo "== torch profiler: rc $? ($(( $(date +%s) - t0 )) s)"
+head -c 6000 $F/torch_profile.txt
 bash .peers/spconv9/install.sh > $F/spconv_install.txt 2>&1
 timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/sparse/test_against_spconv.py -k gpu \
   > $F/against_spconv_gpu.txt 2>&1
