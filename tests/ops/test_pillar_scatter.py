@@ -283,7 +283,10 @@ def test_native_canvas_beyond_int32_elements(ny, nx, C):
     )
     flat = canvas.view(C, plane)
     assert torch.equal(flat[:, cells.to(device)], feats.t())
-    assert int(torch.count_nonzero(flat)) == cells.numel() * C  # the rest written 0
+    # the rest written 0; counted in pieces: count_nonzero of the whole 13-GB canvas allocates
+    # 48 GiB (out of memory beside other pytest workers on an 80-GB H100, 2026-12-05)
+    nonzero = sum(int(torch.count_nonzero(p)) for p in flat.view(-1).split(1 << 28))
+    assert nonzero == cells.numel() * C
     del canvas, cell_map, flat
     torch.cuda.empty_cache()
 
