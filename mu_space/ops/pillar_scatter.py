@@ -133,7 +133,11 @@ def _supports(c: _opdef.Checked) -> str | None:
 # max_map_tag calls; the map is zeroed then. A map per stream, allocated on it: its calls are
 # ordered. Not under graph capture (a replay would reuse the captured tag): there, and with
 # MUSPACE_PILLAR_KEEP_MAP=0 (A/B timing), a fresh map zeroed by the entry point (tag 0).
+# Canvases above KEPT_MAP_MAX_CELLS (64 MB of map; BEV canvases are ~0.2-1.3M cells) get a
+# fresh map too: the map would stay allocated after the call, and the fill is small beside such
+# a canvas.
 KEEP_MAP = os.environ.get("MUSPACE_PILLAR_KEEP_MAP", "1") != "0"
+KEPT_MAP_MAX_CELLS = 1 << 24
 _KEPT_MAPS_MAX = 16
 _kept_maps: dict[tuple, list] = {}  # (device, stream) -> [map tensor (int32), last tag]
 
@@ -141,7 +145,7 @@ _kept_maps: dict[tuple, list] = {}  # (device, stream) -> [map tensor (int32), l
 def _cell_map(voxel_features, B, ny, nx) -> tuple[torch.Tensor, int]:
     """(cell map [B * ny * nx] int32, map_tag) for one native call."""
     cells, device = B * ny * nx, voxel_features.device
-    if not KEEP_MAP or stream_capturing(device) is not False:
+    if not KEEP_MAP or cells > KEPT_MAP_MAX_CELLS or stream_capturing(device) is not False:
         return torch.empty(cells, dtype=torch.int32, device=device), 0
     key = (device, stream_handle(voxel_features))
     kept = _kept_maps.pop(key, None)

@@ -577,3 +577,33 @@ def test_native_cell_map_tags_and_their_errors():
         with pytest.raises(ValueError, match="map_tag"):
             forward(f, c, cell_map, bad, canvas, stream_handle(f))
         assert canvas.isnan().all()
+
+
+@pytest.mark.gpu
+def test_native_fresh_cell_map_where_none_is_kept(monkeypatch):
+    """A fresh map zeroed by the entry point (map_tag 0) and nothing kept: canvases beyond
+    KEPT_MAP_MAX_CELLS and MUSPACE_PILLAR_KEEP_MAP=0 (KEEP_MAP); the reference's bits either way."""
+    from mu_space.runtime import native
+
+    ps = sys.modules["mu_space.ops.pillar_scatter"]
+    device = native_gpu_device()
+    feats, coors, B, shape = _pillars("tiny-pillars", 2, 16)
+    want = mu_space.pillar_scatter(feats, coors, B, shape, backend="reference")
+    monkeypatch.setattr(ps, "_kept_maps", {})
+    tags, real = [], native.function
+
+    def function(name):
+        fn = real(name)
+        if name != "pillar_scatter_forward":
+            return fn
+        return lambda *args: (tags.append(args[3]), fn(*args))[1]
+
+    monkeypatch.setattr(native, "function", function)
+    for cap, keep in ((B * shape[0] * shape[1] - 1, True), (1 << 24, False)):
+        monkeypatch.setattr(ps, "KEPT_MAP_MAX_CELLS", cap)
+        monkeypatch.setattr(ps, "KEEP_MAP", keep)
+        with _opdef.poisoned_outputs():
+            got = mu_space.pillar_scatter(feats.to(device), coors.to(device), B, shape)
+        assert torch.equal(got.cpu(), want)
+        assert ps._kept_maps == {}
+    assert tags == [0, 0]
