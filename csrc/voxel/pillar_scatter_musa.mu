@@ -169,8 +169,8 @@ __device__ __forceinline__ void store_channel(const W* __restrict__ feats, int c
 template <typename W, bool kVectorRows>
 __global__ void __launch_bounds__(kBlock)
     canvas_vector_kernel(const W* __restrict__ feats, CellMap map, int channels, int channel_chunk,
-                         bool zero_first, const int* __restrict__ cell_map, int batch,
-                         int64_t plane, W* __restrict__ canvas) {
+                         const int* __restrict__ cell_map, int batch, int64_t plane,
+                         W* __restrict__ canvas) {
   constexpr int K = Vector16<W>::kCells;
   static_assert(K % 4 == 0, "the map entries of a group are whole int4 loads");
   static_assert(kChannelChunk % kSubChunk == 0, "whole sub-chunks");
@@ -182,13 +182,6 @@ __global__ void __launch_bounds__(kBlock)
       const int c1 = ::min(channels, c0 + channel_chunk);
       for (int64_t q = global_thread(); q < groups; q += global_threads()) {
         const int64_t cell = static_cast<int64_t>(b) * plane + q * K;
-        W* dst = canvas + (static_cast<int64_t>(b) * channels + c0) * plane + q * K;
-        if (zero_first) {  // stores that need no map entry, issued before its load returns
-          W* z = dst;
-          for (int c = c0; c < c1; ++c, z += plane) {
-            *reinterpret_cast<uint4*>(z) = make_uint4(0, 0, 0, 0);
-          }
-        }
         int row[K];  // the pillar of each cell, or -1
         bool any = false;
 #pragma unroll
@@ -201,8 +194,9 @@ __global__ void __launch_bounds__(kBlock)
             any |= row[k4 + k] >= 0;
           }
         }
+        W* dst = canvas + (static_cast<int64_t>(b) * channels + c0) * plane + q * K;
         if (!any) {
-          for (int c = c0; !zero_first && c < c1; ++c, dst += plane) {
+          for (int c = c0; c < c1; ++c, dst += plane) {
             *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
           }
           continue;
@@ -440,16 +434,6 @@ int channel_chunk() {
   return chunk;
 }
 
-// MUSPACE_PILLAR_ZERO_FIRST=1: the canvas kernel stores a group's zeros before its map entries
-// arrive and overwrites the groups that hold a pillar (an A/B knob, read once per process).
-bool zero_first_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("MUSPACE_PILLAR_ZERO_FIRST");
-    return v != nullptr && std::atoi(v) != 0;
-  }();
-  return on;
-}
-
 // The canvas kernel's vector feature loads (kVectorRows); MUSPACE_PILLAR_VECTOR_ROWS=0 turns
 // them off (one load per channel, as before them): profiling only, read once per process.
 bool vector_rows_enabled() {
@@ -481,7 +465,7 @@ void forward(TensorView feats, TensorView coors, TensorView cell_map, int64_t ma
                       std::min(k.batch, 65535));
       auto vector = [&](auto rows_tag) {
         canvas_vector_kernel<W, decltype(rows_tag)::value><<<grid, kBlock, 0, st>>>(
-            data_of<const W>(feats), map, static_cast<int>(k.channels), chunk, zero_first_enabled(),
+            data_of<const W>(feats), map, static_cast<int>(k.channels), chunk,
             data_of<const int>(cell_map), k.batch, plane, data_of<W>(canvas));
       };
       if (vector_rows_enabled() && k.channels % kSubChunk == 0 &&

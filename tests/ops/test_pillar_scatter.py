@@ -229,15 +229,12 @@ def test_native_canvas_vectors_and_fallback(ny, nx, offset, channels, feats_offs
         {"MUSPACE_PILLAR_CHANNEL_CHUNK": "4"},
         {"MUSPACE_PILLAR_CHANNEL_CHUNK": "18"},  # rounded down to 16
         {"MUSPACE_PILLAR_CHANNEL_CHUNK": "64", "MUSPACE_PILLAR_KEEP_MAP": "0"},
-        {"MUSPACE_PILLAR_ZERO_FIRST": "1"},
-        {"MUSPACE_PILLAR_ZERO_FIRST": "1", "MUSPACE_PILLAR_CHANNEL_CHUNK": "8"},
     ],
 )
 def test_native_canvas_knobs_keep_results(env):
     """The profiling / tuning knobs read once per process (MUSPACE_PILLAR_VECTOR_ROWS=0: one
     feature load per channel; MUSPACE_PILLAR_CHANNEL_CHUNK: channels per canvas thread;
-    MUSPACE_PILLAR_KEEP_MAP=0: a fresh map each call; MUSPACE_PILLAR_ZERO_FIRST=1: zeros stored
-    before the map entries arrive, occupied groups overwritten) run in a child process: the KITTI canvas
+    MUSPACE_PILLAR_KEEP_MAP=0: a fresh map each call) run in a child process: the KITTI canvas
     at C = 64 and a tiny one at C = 20 in both dtypes, bit-exact against the reference."""
     import os
     import subprocess
