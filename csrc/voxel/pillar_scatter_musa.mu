@@ -156,8 +156,8 @@ __device__ __forceinline__ void store_channel(const W* __restrict__ feats, int c
 // samples / channel chunks, x the cell groups, so consecutive threads write consecutive 16-byte
 // pieces of one channel plane. Splitting the channels across threads gives ~C / kChannelChunk
 // times the threads of a thread-per-cell loop over all C channels: the KITTI canvas (214k cells,
-// C = 64) then fills the GPU instead of ~3 blocks per multiprocessor. The launcher checks plane % K == 0
-// and the canvas and the cell map 16-byte aligned.
+// C = 64) then fills the GPU instead of ~3 blocks per multiprocessor. The launcher checks
+// plane % K == 0 and the canvas and the cell map 16-byte aligned.
 // The K cells' map entries are K / 4 vector loads, once per chunk (the map reads are L2 traffic
 // beside the canvas writes, and the kernel is bound by L2 throughput: ncu, H200, 2026-12-01,
 // 70-74 %); a group with no pillar (~95% of KITTI's cells, ~80% of nuScenes') stores zeros
@@ -394,16 +394,16 @@ Canvas check_canvas(const TensorView& feats, const char* feats_name, const Tenso
   return k;
 }
 
-// The pillar map of one call (pillar_map_kernel with map_tag's bits) -> the CellMap that reads
-// it. map_tag 1 .. kMaxMapTag: cell_map holds no entry of that tag or above (the caller keeps
-// the map between calls and raises the tag each call, zeroing the map when it wraps); map_tag
-// 0: any content, zeroed here first, then tag 1.
 void check_map_tag(int64_t map_tag) {
   if (map_tag < 0 || map_tag > kMaxMapTag) {
     TVM_FFI_THROW(ValueError) << "map_tag must be 0 .. " << kMaxMapTag << ", got " << map_tag;
   }
 }
 
+// The pillar map of one call (pillar_map_kernel with map_tag's bits) -> the CellMap that reads
+// it. map_tag 1 .. kMaxMapTag: cell_map holds no entry of that tag or above (the caller keeps
+// the map between calls and raises the tag each call, zeroing the map when it wraps); map_tag
+// 0: any content, zeroed here first, then tag 1.
 CellMap map_pillars(const TensorView& coors, const Canvas& k, TensorView cell_map, int64_t map_tag,
                     int device_id, gpuStream_t st) {
   if (map_tag == 0) {
