@@ -149,8 +149,8 @@ def voxel_workloads(dev):
     launch sequence + segment_reduce) and C = 64 backward, hard and dynamic voxelization,
     pillar_scatter. Beside the two bandwidth targets (dynamic voxelization, pillar_scatter) a
     `floor-` workload moves the same bytes with torch's own kernel: an elementwise copy of half
-    the bytes (read + written) for dynamic voxelization, `zero_()` of the canvas for pillar_scatter, so
-    the kernels' durations compare on one machine."""
+    the bytes (read + written) for dynamic voxelization, `zero_()` of the canvas for
+    pillar_scatter, so the kernels' durations compare on one machine."""
     from benchmarks import bench_dynamic_scatter, bench_pillar_scatter, bench_voxelization
     from mu_space.ops.dynamic_scatter import dynamic_scatter
     from mu_space.ops.dynamic_voxelize import dynamic_voxelize

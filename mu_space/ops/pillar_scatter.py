@@ -142,12 +142,12 @@ _KEPT_MAPS_MAX = 16
 _kept_maps: dict[tuple, list] = {}  # (device, stream) -> [map tensor (int32), last tag]
 
 
-def _cell_map(voxel_features, B, ny, nx) -> tuple[torch.Tensor, int]:
-    """(cell map [B * ny * nx] int32, map_tag) for one native call."""
+def _cell_map(voxel_features, B, ny, nx, stream: int) -> tuple[torch.Tensor, int]:
+    """(cell map [B * ny * nx] int32, map_tag) for one native call on `stream` (its handle)."""
     cells, device = B * ny * nx, voxel_features.device
     if not KEEP_MAP or cells > KEPT_MAP_MAX_CELLS or stream_capturing(device) is not False:
         return torch.empty(cells, dtype=torch.int32, device=device), 0
-    key = (device, stream_handle(voxel_features))
+    key = (device, stream)
     kept = _kept_maps.pop(key, None)
     if kept is None or kept[0].numel() < cells:
         kept = [torch.zeros(cells, dtype=torch.int32, device=device), 0]
@@ -182,7 +182,7 @@ def _forward_native(c, voxel_features, coors, batch_size, output_shape):
     if TILED and _opdef.step_allowed(TILED_UNVERIFIED):
         if native.function("pillar_scatter_forward_tiled")(feats, coors, canvas, st):
             return canvas
-    cell_map, map_tag = _cell_map(feats, B, ny, nx)
+    cell_map, map_tag = _cell_map(feats, B, ny, nx, st)
     native.function("pillar_scatter_forward")(feats, coors, cell_map, map_tag, canvas, st)
     return canvas
 
@@ -195,10 +195,9 @@ def _backward_native(
     grad_out = grad_out.to(feats.dtype).contiguous()
     grad = _opdef.new_output(feats)
     if grad.numel():
-        cell_map, map_tag = _cell_map(feats, B, ny, nx)
-        native.function("pillar_scatter_backward")(
-            grad_out, coors, cell_map, map_tag, grad, stream_handle(feats)
-        )
+        st = stream_handle(feats)
+        cell_map, map_tag = _cell_map(feats, B, ny, nx, st)
+        native.function("pillar_scatter_backward")(grad_out, coors, cell_map, map_tag, grad, st)
     return (grad,)
 
 
